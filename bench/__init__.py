@@ -1,0 +1,1 @@
+"""Built-in models and measurement helpers for comparing ckpt with torch.compile."""

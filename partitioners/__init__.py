@@ -1,0 +1,1 @@
+"""Partitioners: decide which forward values are saved for backward."""

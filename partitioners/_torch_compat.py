@@ -1,0 +1,103 @@
+"""Every private torch API ckpt touches, in one file.
+
+A torch upgrade should be this file's work only. Each helper names the torch
+function it wraps; keep them thin.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+from torch._functorch import partitioners as _torch_partitioners
+from torch._functorch._aot_autograd import utils as _aot_utils
+from torch._functorch.compile_utils import fx_graph_cse, raise_getitems
+from torch._inductor.compile_fx import compile_fx
+from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_files
+from torch.fx.experimental.proxy_tensor import is_sym_node
+from torch.fx.experimental.symbolic_shapes import optimization_hint
+from torch.utils.checkpoint import CheckpointPolicy
+
+import torch._inductor.inductor_prims  # noqa: F401  registers prims.inductor_*
+
+__all__ = [
+    "CheckpointPolicy",
+    "CustomPartitionerFn",
+    "compile_fx",
+    "cse",
+    "extract_forward_backward",
+    "get_hash_for_files",
+    "hint_int",
+    "is_bwd_seed_offset",
+    "is_fwd_seed_offset",
+    "is_primal",
+    "is_sym_node",
+    "is_tangent",
+    "is_with_effects",
+    "must_be_in_backward",
+    "must_be_in_forward",
+    "torch_default_partition",
+]
+
+# Placeholder roles: AOTAutograd names joint-graph placeholders by role
+# (primals_*, tangents_*, fwd_seed, ...); torch's own helpers read the names.
+is_primal = _aot_utils._is_primal
+is_tangent = _aot_utils._is_tangent
+is_fwd_seed_offset = _aot_utils._is_fwd_seed_offset
+is_bwd_seed_offset = _aot_utils._is_bwd_seed_offset
+is_with_effects = _aot_utils.is_with_effects
+
+# Placement tags AOTAutograd writes into node.meta["partitioner_tag"].
+must_be_in_forward = _torch_partitioners._must_be_in_forward
+must_be_in_backward = _torch_partitioners._must_be_in_backward
+
+
+def hint_int(value: int | torch.SymInt) -> int:
+    """A concrete int for a possibly symbolic size (the traced example's value)."""
+    # 4096 is torch's own fallback for unbacked sizes (partitioners._size_of).
+    return int(optimization_hint(value, fallback=4096))
+
+
+def cse(gm: fx.GraphModule) -> None:
+    """Common-subexpression elimination on a joint graph, in place."""
+    gm.graph = fx_graph_cse(gm.graph)
+    gm.recompile()
+
+
+def extract_forward_backward(
+    joint_gm: fx.GraphModule,
+    saved_values: list[fx.Node],
+    saved_sym_nodes: list[fx.Node],
+    *,
+    num_fwd_outputs: int,
+    static_lifetime_input_nodes: set[fx.Node],
+) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """Build the forward and backward modules for a chosen saved set.
+
+    Uses torch's extraction (which keeps AOTAutograd's output conventions) and
+    then reorders backward to the autograd engine's order, which places every
+    recomputed node just before its first use.
+    """
+    from torch.utils._ordered_set import OrderedSet
+
+    fwd, bwd = _torch_partitioners._extract_fwd_bwd_modules(
+        joint_gm,
+        saved_values,
+        saved_sym_nodes=saved_sym_nodes,
+        num_fwd_outputs=num_fwd_outputs,
+        static_lifetime_input_nodes=OrderedSet(static_lifetime_input_nodes),
+    )
+    bwd = _torch_partitioners.reordering_to_mimic_autograd_engine(bwd)
+    fwd = raise_getitems(fwd)
+    bwd = raise_getitems(bwd)
+    fwd = _torch_partitioners.thread_graphsafe_rng_from_hops(fwd, is_backward=False)
+    bwd = _torch_partitioners.thread_graphsafe_rng_from_hops(bwd, is_backward=True)
+    return fwd, bwd
+
+
+def torch_default_partition(
+    joint_gm: fx.GraphModule, joint_inputs, **kwargs
+) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """PyTorch's own min-cut partitioner, as Inductor would call it."""
+    kwargs.pop("compiler", None)
+    return _torch_partitioners.min_cut_rematerialization_partition(
+        joint_gm, joint_inputs, compiler="inductor", **kwargs
+    )

@@ -1,0 +1,217 @@
+"""Classify a joint graph: which nodes forward needs, which backward needs,
+and each node's op category, bytes and user checkpoint tag.
+
+Facts live in a side mapping (``GraphFacts.nodes``), never on ``fx.Node``.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.fx as fx
+
+from . import _torch_compat as compat
+from .cost import is_savable_value, node_bytes
+from .ops import OpCategory, Recompute, categorize
+
+Policy = compat.CheckpointPolicy
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeFacts:
+    category: OpCategory
+    nbytes: int
+    savable: bool
+    user_tag: Policy | None
+    """The policy a user's torch.utils.checkpoint region put on the node."""
+    dist_from_bw: int
+    """Edges to the nearest backward user (0 for backward nodes)."""
+    storage_root: fx.Node
+    """The node that owns this value's storage: itself, or a view's base."""
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphFacts:
+    nodes: dict[fx.Node, NodeFacts]
+    forward: frozenset[fx.Node]
+    """Nodes the forward graph computes (ancestors of the forward outputs)."""
+    backward: frozenset[fx.Node]
+    """Nodes that can only run in backward (they depend on tangents)."""
+    backward_outputs: tuple[fx.Node, ...]
+    inputs: tuple[fx.Node, ...]
+    """Primal inputs and forward RNG seeds: available in forward only."""
+    static_inputs: frozenset[fx.Node]
+    """Parameters and buffers: alive all step, so free to save."""
+    forced_saves: frozenset[fx.Node]
+    """Sources of input mutations repeated in backward: saving them is the only
+    way not to apply a mutation twice."""
+
+
+def classify(
+    joint_gm: fx.GraphModule,
+    *,
+    num_fwd_outputs: int,
+    static_lifetime_input_indices: list[int] | None = None,
+) -> GraphFacts:
+    graph = joint_gm.graph
+    outputs = _flat_outputs(graph)
+    forward_outputs = [o for o in outputs[:num_fwd_outputs] if isinstance(o, fx.Node)]
+    backward_outputs = tuple(o for o in outputs[num_fwd_outputs:] if isinstance(o, fx.Node))
+
+    backward = _tangent_closure(graph)
+    forward = _ancestors(
+        forward_outputs + [n for n in graph.nodes if compat.must_be_in_forward(n)],
+        exclude=backward,
+    )
+    placeholders = graph.find_nodes(op="placeholder")
+    primals = [p for p in placeholders if compat.is_primal(p)]
+    static_indices = set(static_lifetime_input_indices or ())
+    static_inputs = frozenset(p for i, p in enumerate(primals) if i in static_indices)
+    inputs = tuple(primals + [p for p in placeholders if compat.is_fwd_seed_offset(p)])
+
+    dist = _distance_from_backward(graph, forward)
+    nodes: dict[fx.Node, NodeFacts] = {}
+    for node in graph.nodes:
+        if node.op == "output":
+            continue
+        category = categorize(node, node_bytes)
+        nodes[node] = NodeFacts(
+            category=category,
+            nbytes=node_bytes(node),
+            savable=is_savable_value(node),
+            user_tag=_user_tag(node),
+            dist_from_bw=dist[node],
+            storage_root=_storage_root(node, category, nodes),
+        )
+    return GraphFacts(
+        nodes=nodes,
+        forward=frozenset(forward),
+        backward=frozenset(backward),
+        backward_outputs=backward_outputs,
+        inputs=inputs,
+        static_inputs=static_inputs,
+        forced_saves=frozenset(_mutation_sources_repeated_in_backward(graph)),
+    )
+
+
+def recompute_allowed(facts: NodeFacts) -> bool:
+    """Whether the op policy, together with the user's tag, lets a node be recomputed."""
+    policy = facts.category.policy
+    if policy is Recompute.MUST_SAVE:
+        return False
+    if facts.user_tag in (Policy.MUST_SAVE, Policy.PREFER_SAVE):
+        return False
+    if user_wants_recompute(facts):
+        return True
+    return policy is Recompute.CHEAP
+
+
+def user_wants_recompute(facts: NodeFacts) -> bool:
+    """Tagged recompute by a checkpoint region, and safe to honor."""
+    return (
+        facts.user_tag in (Policy.MUST_RECOMPUTE, Policy.PREFER_RECOMPUTE)
+        and facts.category.policy is not Recompute.MUST_SAVE
+    )
+
+
+def _storage_root(node: fx.Node, category: OpCategory, earlier: dict) -> fx.Node:
+    # Every aten view op aliases its first argument.
+    if category is OpCategory.VIEW and node.args and isinstance(node.args[0], fx.Node):
+        return earlier[node.args[0]].storage_root
+    return node
+
+
+def _user_tag(node: fx.Node) -> Policy | None:
+    """The checkpoint policy on a node, with region boundaries saved.
+
+    A value tagged recompute whose users belong to a later checkpoint region
+    is the boundary between two regions: like eager checkpointing, keep it.
+    """
+    tag = node.meta.get("recompute")
+    if tag not in (Policy.MUST_RECOMPUTE, Policy.PREFER_RECOMPUTE):
+        return tag
+    region = node.meta.get("ac_graph_id")
+    for user in node.users:
+        user_region = user.meta.get("ac_graph_id")
+        if (
+            user.meta.get("recompute") in (Policy.MUST_RECOMPUTE, Policy.PREFER_RECOMPUTE)
+            and region is not None
+            and user_region is not None
+            and user_region > region
+        ):
+            return Policy.MUST_SAVE
+    return tag
+
+
+def _flat_outputs(graph: fx.Graph) -> list:
+    (output,) = graph.find_nodes(op="output")
+    return _flatten(output.args[0])
+
+
+def _flatten(value) -> list:
+    if isinstance(value, (list, tuple)):
+        return [leaf for item in value for leaf in _flatten(item)]
+    return [value]
+
+
+def _tangent_closure(graph: fx.Graph) -> set[fx.Node]:
+    """Tangents, nodes tagged must-be-in-backward, and everything downstream of them."""
+    closure: set[fx.Node] = set()
+    for node in graph.nodes:  # topological order: inputs come first
+        if node.op == "output":
+            continue
+        if (
+            compat.is_tangent(node)
+            or compat.is_bwd_seed_offset(node)
+            or compat.must_be_in_backward(node)
+            or any(arg in closure for arg in node.all_input_nodes)
+        ):
+            closure.add(node)
+    return closure
+
+
+def _ancestors(roots: list[fx.Node], exclude: set[fx.Node]) -> set[fx.Node]:
+    seen: set[fx.Node] = set()
+    stack = [r for r in roots if r not in exclude]
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        stack.extend(a for a in node.all_input_nodes if a not in exclude)
+    return seen
+
+
+def _distance_from_backward(graph: fx.Graph, forward: set[fx.Node]) -> dict[fx.Node, int]:
+    """Edges from each node to its nearest user outside the forward graph."""
+    unreachable = len(graph.nodes)
+    dist: dict[fx.Node, int] = {}
+    for node in reversed(graph.nodes):
+        if node.op == "output":
+            continue
+        if node not in forward:
+            dist[node] = 0
+            continue
+        users = [dist[u] + 1 for u in node.users if u.op != "output"]
+        dist[node] = min(users, default=unreachable)
+    return dist
+
+
+def _mutation_sources_repeated_in_backward(graph: fx.Graph) -> list[fx.Node]:
+    """Values copied into an input in forward when backward mutates that input too.
+
+    AOTAutograd emits input mutations as copy_ nodes at the end of the joint
+    graph; recomputing such a source would replay the forward mutation.
+    """
+    mutated_in_backward: set[fx.Node] = set()
+    sources = []
+    for node in reversed(graph.nodes):
+        if node.op == "output":
+            continue
+        if node.target is not torch.ops.aten.copy_.default:
+            break
+        if compat.must_be_in_backward(node):
+            mutated_in_backward.add(node.args[0])
+        elif compat.must_be_in_forward(node) and node.args[0] in mutated_in_backward:
+            sources.append(node.args[1])
+    return sources

@@ -1,0 +1,106 @@
+"""The runtime-optimal saved set, as a minimum cut in networkx.
+
+Each joint-graph node ``n`` becomes an edge ``(n, IN) -> (n, OUT)`` whose
+capacity is what saving ``n`` costs (its bytes). Data edges between nodes,
+"must be computed in backward" edges to the sink and "cannot be recomputed"
+edges from the source are infinite. A finite cut separating source from
+sink is then a set of values which, once saved, let backward run without
+recomputing anything banned; the minimum cut is the fewest bytes.
+"""
+from __future__ import annotations
+
+import networkx as nx
+import torch.fx as fx
+
+from .classify import GraphFacts, recompute_allowed, user_wants_recompute
+
+SOURCE = "source"
+SINK = "sink"
+IN = "in"
+OUT = "out"
+
+# Ties between cuts of equal bytes are broken toward values closer to the
+# backward pass (shorter recompute chains). Distances are clamped here and
+# scaled below one byte, so the tie-break never outweighs a byte.
+MAX_TIE_DISTANCE = 100
+
+
+class PartitionError(RuntimeError):
+    """The joint graph admits no valid partition under the policy."""
+
+
+def build_flow_graph(facts: GraphFacts) -> nx.DiGraph:
+    """The flow graph whose minimum cut is the cheapest saved set."""
+    flow = nx.DiGraph()
+    flow.add_nodes_from([SOURCE, SINK])
+    byte_scale = (MAX_TIE_DISTANCE + 1) * len(facts.nodes) + 1
+    inputs = set(facts.inputs)
+    outputs_needed_by_backward = set(facts.backward_outputs)
+    for node, node_facts in facts.nodes.items():
+        if node in facts.backward:
+            flow.add_edge((node, IN), SINK)  # no capacity: infinite
+            continue
+        if node in outputs_needed_by_backward:
+            flow.add_edge((node, OUT), SINK)
+        forward = node in facts.forward
+        banned = node in inputs or node in facts.forced_saves or (
+            forward and not recompute_allowed(node_facts)
+        )
+        if banned:
+            flow.add_edge(SOURCE, (node, IN))
+        elif forward and user_wants_recompute(node_facts):
+            flow.add_edge((node, IN), SINK)
+        if node_facts.savable:
+            flow.add_edge((node, IN), (node, OUT), capacity=_save_cost(node, facts, byte_scale))
+        else:
+            flow.add_edge((node, IN), (node, OUT))
+        for user in node.users:
+            if user.op != "output":
+                flow.add_edge((node, OUT), (user, IN))
+    return flow
+
+
+def _save_cost(node: fx.Node, facts: GraphFacts, byte_scale: int) -> int:
+    """Bytes saving ``node`` keeps alive (a view keeps its base), tie-break below a byte."""
+    node_facts = facts.nodes[node]
+    root = node_facts.storage_root
+    if root in facts.static_inputs:
+        return 0
+    if root is not node:
+        # Prefer saving a base over a view of it: backward re-creates views for free.
+        return facts.nodes[root].nbytes * byte_scale + MAX_TIE_DISTANCE
+    return node_facts.nbytes * byte_scale + min(node_facts.dist_from_bw, MAX_TIE_DISTANCE)
+
+
+def solve(flow: nx.DiGraph) -> list[fx.Node]:
+    """The nodes whose values the minimum cut saves (unordered)."""
+    try:
+        _, (source_side, sink_side) = nx.minimum_cut(flow, SOURCE, SINK)
+    except nx.NetworkXUnbounded as error:
+        raise PartitionError(
+            "no finite cut: some value backward needs can neither be saved nor "
+            f"recomputed ({_describe_infinite_path(flow)})"
+        ) from error
+    saved = []
+    for vertex in source_side:
+        if vertex == SOURCE:
+            continue
+        for successor in flow.successors(vertex):
+            if successor in sink_side:
+                node, side = vertex
+                if side != IN or successor != (node, OUT):
+                    raise PartitionError(f"cut crosses a data edge at {node.name}")
+                saved.append(node)
+    return saved
+
+
+def _describe_infinite_path(flow: nx.DiGraph) -> str:
+    infinite = nx.DiGraph(
+        (u, v) for u, v, capacity in flow.edges(data="capacity") if capacity is None
+    )
+    try:
+        path = nx.shortest_path(infinite, SOURCE, SINK)
+    except (nx.NetworkXNoPath, nx.NodeNotFound):
+        return "path not found"
+    names = [v[0].name for v in path[1:-1] if v[1] == IN]
+    return "infinite path through " + " -> ".join(names)

@@ -1,0 +1,116 @@
+"""CkptPartitioner: joint graph -> Plan -> (forward, backward) GraphModules."""
+from __future__ import annotations
+
+import functools
+import pathlib
+import warnings
+from collections.abc import Callable
+
+import torch.fx as fx
+
+from . import _torch_compat as compat
+from .classify import classify
+from .config import Config
+from .mincut import build_flow_graph, solve
+from .plan import Plan, build_plan
+
+_PROJECT_ROOT = pathlib.Path(__file__).resolve().parent.parent
+# Source that decides what a compile produces; part of the cache key.
+_DECIDING_PACKAGES = ("partitioners", "passes")
+
+_warned: set[str] = set()
+
+
+def plan_partition(
+    joint_gm: fx.GraphModule,
+    *,
+    num_fwd_outputs: int,
+    static_lifetime_input_indices: list[int] | None = None,
+) -> Plan:
+    """Decide what to save; the joint graph is cleaned (DCE, CSE) in place."""
+    facts, saved = _decide(joint_gm, num_fwd_outputs, static_lifetime_input_indices)
+    return build_plan(facts, saved)
+
+
+def partition(
+    joint_gm: fx.GraphModule,
+    *,
+    num_fwd_outputs: int,
+    static_lifetime_input_indices: list[int] | None = None,
+) -> tuple[fx.GraphModule, fx.GraphModule, Plan]:
+    """Plan, then build the forward and backward modules from the plan."""
+    facts, saved = _decide(joint_gm, num_fwd_outputs, static_lifetime_input_indices)
+    order = {node: i for i, node in enumerate(joint_gm.graph.nodes)}
+    saved = sorted(saved, key=order.__getitem__)
+    fwd, bwd = compat.extract_forward_backward(
+        joint_gm,
+        [n for n in saved if not compat.is_sym_node(n)],
+        [n for n in saved if compat.is_sym_node(n)],
+        num_fwd_outputs=num_fwd_outputs,
+        static_lifetime_input_nodes=facts.static_inputs,
+    )
+    return fwd, bwd, build_plan(facts, saved)
+
+
+def _decide(joint_gm, num_fwd_outputs, static_lifetime_input_indices):
+    joint_gm.graph.eliminate_dead_code()
+    compat.cse(joint_gm)
+    facts = classify(
+        joint_gm,
+        num_fwd_outputs=num_fwd_outputs,
+        static_lifetime_input_indices=static_lifetime_input_indices,
+    )
+    return facts, solve(build_flow_graph(facts))
+
+
+class CkptPartitioner(compat.CustomPartitionerFn):
+    """The partitioner Inductor calls (``custom_partitioner_fn``).
+
+    Never costs a user their run: if planning fails, it warns once with the
+    reason and uses PyTorch's partitioner (unless ``config.strict``).
+    """
+
+    def __init__(self, config: Config, on_plan: Callable[[Plan], None] | None = None):
+        self.config = config
+        self.on_plan = on_plan
+
+    def __call__(self, joint_gm: fx.GraphModule, joint_inputs, **kwargs):
+        try:
+            fwd, bwd, plan = partition(
+                joint_gm,
+                num_fwd_outputs=kwargs["num_fwd_outputs"],
+                static_lifetime_input_indices=kwargs.get("static_lifetime_input_indices"),
+            )
+        except Exception as error:
+            if self.config.strict:
+                raise
+            reason = f"{type(error).__name__}: {error}"
+            _warn_once(
+                f"ckpt could not partition this graph ({reason}); "
+                "using PyTorch's partitioner for it instead. "
+                "Set CKPT_STRICT=1 to raise instead."
+            )
+            fwd, bwd = compat.torch_default_partition(joint_gm, joint_inputs, **kwargs)
+            plan = Plan(fallback=reason)
+        if self.on_plan is not None:
+            self.on_plan(plan)
+        return fwd, bwd
+
+    def uuid(self) -> str:
+        return _uuid(self.config)
+
+
+@functools.lru_cache(maxsize=None)
+def _uuid(config: Config) -> str:
+    files = sorted(
+        str(path)
+        for package in _DECIDING_PACKAGES
+        for path in (_PROJECT_ROOT / package).rglob("*.py")
+    )
+    return compat.get_hash_for_files(tuple(files), extra=repr(config)).hex()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, stacklevel=3)

@@ -1,0 +1,130 @@
+"""The Plan: what is saved, what is recomputed, and why."""
+from __future__ import annotations
+
+import dataclasses
+
+import torch.fx as fx
+
+from .classify import GraphFacts, NodeFacts, user_wants_recompute
+from .ops import Recompute
+
+SAVED = "saved"
+RECOMPUTED = "recomputed"
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    name: str
+    op: str
+    decision: str
+    """``SAVED`` or ``RECOMPUTED``."""
+    nbytes: int
+    reason: str
+    is_input: bool = False
+    """A graph input: saving it holds no memory beyond what the caller holds."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """One joint graph's partition, in graph order.
+
+    ``fallback`` is set (and ``decisions`` empty) when ckpt could not
+    partition the graph and PyTorch's partitioner was used instead.
+    """
+
+    decisions: tuple[Decision, ...] = ()
+    fallback: str | None = None
+
+    @property
+    def saved(self) -> tuple[str, ...]:
+        return tuple(d.name for d in self.decisions if d.decision == SAVED)
+
+    @property
+    def recomputed(self) -> tuple[str, ...]:
+        return tuple(d.name for d in self.decisions if d.decision == RECOMPUTED)
+
+    @property
+    def saved_activation_bytes(self) -> int:
+        """Bytes of saved values other than graph inputs (which live anyway)."""
+        return sum(
+            d.nbytes
+            for d in self.decisions
+            if d.decision == SAVED and not d.is_input
+        )
+
+    def reason(self, name: str) -> str:
+        for d in self.decisions:
+            if d.name == name:
+                return d.reason
+        raise KeyError(f"{name} is neither saved nor recomputed in this plan")
+
+
+def build_plan(facts: GraphFacts, saved: list[fx.Node]) -> Plan:
+    """Decisions for every saved value and every forward node backward re-runs."""
+    saved_set = set(saved)
+    recomputed = _recomputed_nodes(facts, saved_set)
+    decisions = []
+    for node, node_facts in facts.nodes.items():  # graph order
+        if node in saved_set:
+            decision, reason = SAVED, _save_reason(node, node_facts, facts)
+        elif node in recomputed:
+            decision, reason = RECOMPUTED, _recompute_reason(node, node_facts)
+        else:
+            continue
+        decisions.append(
+            Decision(
+                node.name,
+                _op_name(node),
+                decision,
+                node_facts.nbytes,
+                reason,
+                is_input=node in facts.inputs,
+            )
+        )
+    return Plan(decisions=tuple(decisions))
+
+
+def _recomputed_nodes(facts: GraphFacts, saved: set[fx.Node]) -> set[fx.Node]:
+    """Forward nodes backward needs that are not saved: backward re-runs them."""
+    needed: set[fx.Node] = set()
+    stack = [
+        arg
+        for node in list(facts.backward) + list(facts.backward_outputs)
+        for arg in node.all_input_nodes
+    ]
+    while stack:
+        node = stack.pop()
+        if node in needed or node in saved or node in facts.backward:
+            continue
+        needed.add(node)
+        stack.extend(node.all_input_nodes)
+    return {n for n in needed if n in facts.forward}
+
+
+def _save_reason(node: fx.Node, node_facts: NodeFacts, facts: GraphFacts) -> str:
+    category = node_facts.category
+    if node in facts.static_inputs:
+        return "saved: graph input, parameter or buffer (alive anyway, free)"
+    if node in facts.inputs:
+        return "saved: graph input"
+    if node in facts.forced_saves:
+        return "saved: source of an input mutation that backward repeats"
+    if category.policy is Recompute.MUST_SAVE:
+        return f"saved: {category.label}, must not be replayed"
+    if node_facts.user_tag is not None and not user_wants_recompute(node_facts):
+        return f"saved: checkpoint policy {node_facts.user_tag.name}"
+    if category.policy is Recompute.NEVER and not user_wants_recompute(node_facts):
+        return f"saved: {category.label}, never recomputed"
+    return f"saved: {category.label}, on the minimum cut (fewest bytes)"
+
+
+def _recompute_reason(node: fx.Node, node_facts: NodeFacts) -> str:
+    if user_wants_recompute(node_facts):
+        return f"recomputed: checkpoint policy {node_facts.user_tag.name}"
+    return f"recomputed: {node_facts.category.label}, cheaper than saving"
+
+
+def _op_name(node: fx.Node) -> str:
+    if node.op == "call_function":
+        return getattr(node.target, "__name__", str(node.target))
+    return node.op

@@ -1,0 +1,1 @@
+"""FX passes around the partition (RNG replay, reports); none yet."""

@@ -1,0 +1,49 @@
+import pytest
+import torch
+import torch._dynamo
+import torch.compiler.config
+from functorch.compile import aot_function, nop
+
+from partitioners.partition import partition
+
+
+@pytest.fixture(autouse=True)
+def _fresh_compiles():
+    """Each test compiles from scratch: no Dynamo cache carried over, and no
+    Inductor/AOT cache hit that would skip the partitioner (and its Plan)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    with torch.compiler.config.patch(force_disable_caches=True):
+        yield
+    torch._dynamo.reset()
+
+
+def aot_plan(fn, *args, tag=None):
+    """Trace ``fn`` with AOTAutograd, partition with ckpt (no Inductor codegen),
+    run forward and backward; return (plan, output).
+
+    ``tag(joint_gm)`` may edit node metadata first, as a checkpoint region would.
+    """
+    plans = []
+
+    def partition_fn(joint_gm, joint_inputs, **kwargs):
+        if tag is not None:
+            tag(joint_gm)
+        fwd, bwd, plan = partition(
+            joint_gm,
+            num_fwd_outputs=kwargs["num_fwd_outputs"],
+            static_lifetime_input_indices=kwargs.get("static_lifetime_input_indices"),
+        )
+        plans.append(plan)
+        return fwd, bwd
+
+    compiled = aot_function(fn, fw_compiler=nop, bw_compiler=nop, partition_fn=partition_fn)
+    out = compiled(*args)
+    out.sum().backward()
+    (plan,) = plans
+    return plan, out
+
+
+def node_named(gm, name):
+    (node,) = [n for n in gm.graph.nodes if n.name == name]
+    return node
