@@ -64,12 +64,15 @@ def _save_cost(node: fx.Node, facts: GraphFacts, byte_scale: int) -> int:
     """Bytes saving ``node`` keeps alive (a view keeps its base), tie-break below a byte."""
     node_facts = facts.nodes[node]
     root = node_facts.storage_root
-    if root in facts.static_inputs:
-        return 0
+    root_bytes = 0 if root in facts.static_inputs else facts.nodes[root].nbytes
     if root is not node:
         # Prefer saving a base over a view of it: backward re-creates views for free.
-        return facts.nodes[root].nbytes * byte_scale + MAX_TIE_DISTANCE
-    return node_facts.nbytes * byte_scale + min(node_facts.dist_from_bw, MAX_TIE_DISTANCE)
+        tie = MAX_TIE_DISTANCE
+    elif node in facts.static_inputs:
+        tie = 0
+    else:
+        tie = min(node_facts.dist_from_bw, MAX_TIE_DISTANCE)
+    return root_bytes * byte_scale + tie
 
 
 def solve(flow: nx.DiGraph) -> list[fx.Node]:

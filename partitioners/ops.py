@@ -127,12 +127,10 @@ def categorize(node: fx.Node, nbytes_of) -> OpCategory:
         return OpCategory.UNKNOWN
     target = node.target
     if target is operator.getitem:
-        # An element of a random or effectful op's tuple is that op's output:
-        # recomputing it would replay the op.
+        # An element of a tuple is its op's output: recomputing it means
+        # re-running that op, under that op's policy.
         parent = categorize(node.args[0], nbytes_of)
-        if parent.policy is Recompute.MUST_SAVE:
-            return parent
-        return OpCategory.GETITEM
+        return OpCategory.GETITEM if parent.policy is Recompute.CHEAP else parent
     if compat.is_with_effects(node):
         return OpCategory.SIDE_EFFECT
     if not isinstance(target, torch._ops.OpOverload):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import operator
 
 import torch.fx as fx
 
@@ -21,7 +22,7 @@ class Decision:
     nbytes: int
     reason: str
     is_input: bool = False
-    """A graph input: saving it holds no memory beyond what the caller holds."""
+    """Its storage is a graph input's: saving it holds nothing the caller does not."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +34,8 @@ class Plan:
     """
 
     decisions: tuple[Decision, ...] = ()
+    saved_activation_bytes: int = 0
+    """Bytes kept alive for backward beyond the graph inputs, each storage once."""
     fallback: str | None = None
 
     @property
@@ -42,15 +45,6 @@ class Plan:
     @property
     def recomputed(self) -> tuple[str, ...]:
         return tuple(d.name for d in self.decisions if d.decision == RECOMPUTED)
-
-    @property
-    def saved_activation_bytes(self) -> int:
-        """Bytes of saved values other than graph inputs (which live anyway)."""
-        return sum(
-            d.nbytes
-            for d in self.decisions
-            if d.decision == SAVED and not d.is_input
-        )
 
     def reason(self, name: str) -> str:
         for d in self.decisions:
@@ -78,10 +72,14 @@ def build_plan(facts: GraphFacts, saved: list[fx.Node]) -> Plan:
                 decision,
                 node_facts.nbytes,
                 reason,
-                is_input=node in facts.inputs,
+                is_input=node_facts.storage_root in facts.inputs,
             )
         )
-    return Plan(decisions=tuple(decisions))
+    activation_storages = {facts.nodes[n].storage_root for n in saved} - set(facts.inputs)
+    return Plan(
+        decisions=tuple(decisions),
+        saved_activation_bytes=sum(facts.nodes[r].nbytes for r in activation_storages),
+    )
 
 
 def _recomputed_nodes(facts: GraphFacts, saved: set[fx.Node]) -> set[fx.Node]:
@@ -125,6 +123,8 @@ def _recompute_reason(node: fx.Node, node_facts: NodeFacts) -> str:
 
 
 def _op_name(node: fx.Node) -> str:
-    if node.op == "call_function":
-        return getattr(node.target, "__name__", str(node.target))
-    return node.op
+    if node.op != "call_function":
+        return node.op
+    if node.target is operator.getitem and isinstance(node.args[0], fx.Node):
+        return f"{_op_name(node.args[0])}[{node.args[1]}]"
+    return getattr(node.target, "__name__", str(node.target))
