@@ -24,6 +24,9 @@ class NodeFacts:
     savable: bool
     user_tag: Policy | None
     """The policy a user's torch.utils.checkpoint region put on the node."""
+    region_boundary: bool
+    """Tagged recompute, but read by a later checkpoint region: like eager
+    checkpointing, the boundary between two regions is kept."""
     dist_from_bw: int
     """Edges to the nearest backward user (0 for backward nodes)."""
     storage_root: fx.Node
@@ -79,7 +82,8 @@ def classify(
             category=category,
             nbytes=node_bytes(node),
             savable=is_savable_value(node),
-            user_tag=_user_tag(node),
+            user_tag=node.meta.get("recompute"),
+            region_boundary=_is_region_boundary(node),
             dist_from_bw=dist[node],
             storage_root=_storage_root(node, category, nodes),
         )
@@ -97,7 +101,7 @@ def classify(
 def recompute_allowed(facts: NodeFacts) -> bool:
     """Whether the op policy, together with the user's tag, lets a node be recomputed."""
     policy = facts.category.policy
-    if policy is Recompute.MUST_SAVE:
+    if policy is Recompute.MUST_SAVE or facts.region_boundary:
         return False
     if facts.user_tag in (Policy.MUST_SAVE, Policy.PREFER_SAVE):
         return False
@@ -111,6 +115,7 @@ def user_wants_recompute(facts: NodeFacts) -> bool:
     return (
         facts.user_tag in (Policy.MUST_RECOMPUTE, Policy.PREFER_RECOMPUTE)
         and facts.category.policy is not Recompute.MUST_SAVE
+        and not facts.region_boundary
     )
 
 
@@ -121,26 +126,18 @@ def _storage_root(node: fx.Node, category: OpCategory, earlier: dict) -> fx.Node
     return node
 
 
-def _user_tag(node: fx.Node) -> Policy | None:
-    """The checkpoint policy on a node, with region boundaries saved.
-
-    A value tagged recompute whose users belong to a later checkpoint region
-    is the boundary between two regions: like eager checkpointing, keep it.
-    """
-    tag = node.meta.get("recompute")
-    if tag not in (Policy.MUST_RECOMPUTE, Policy.PREFER_RECOMPUTE):
-        return tag
+def _is_region_boundary(node: fx.Node) -> bool:
     region = node.meta.get("ac_graph_id")
-    for user in node.users:
-        user_region = user.meta.get("ac_graph_id")
-        if (
-            user.meta.get("recompute") in (Policy.MUST_RECOMPUTE, Policy.PREFER_RECOMPUTE)
-            and region is not None
-            and user_region is not None
-            and user_region > region
-        ):
-            return Policy.MUST_SAVE
-    return tag
+    if region is None or not _tagged_recompute(node):
+        return False
+    return any(
+        _tagged_recompute(user) and user.meta.get("ac_graph_id", region) > region
+        for user in node.users
+    )
+
+
+def _tagged_recompute(node: fx.Node) -> bool:
+    return node.meta.get("recompute") in (Policy.MUST_RECOMPUTE, Policy.PREFER_RECOMPUTE)
 
 
 def _flat_outputs(graph: fx.Graph) -> list:

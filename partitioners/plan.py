@@ -109,6 +109,8 @@ def _save_reason(node: fx.Node, node_facts: NodeFacts, facts: GraphFacts) -> str
         return "saved: source of an input mutation that backward repeats"
     if category.policy is Recompute.MUST_SAVE:
         return f"saved: {category.label}, must not be replayed"
+    if node_facts.region_boundary:
+        return "saved: checkpoint region output read by a later region"
     if node_facts.user_tag is not None and not user_wants_recompute(node_facts):
         return f"saved: checkpoint policy {node_facts.user_tag.name}"
     if category.policy is Recompute.NEVER and not user_wants_recompute(node_facts):

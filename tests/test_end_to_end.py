@@ -4,11 +4,13 @@ Tolerances: float32 on CPU, Inductor reorders reductions and fuses ops, so
 results differ from eager by rounding only: rtol 1e-4, atol 1e-5.
 """
 import copy
+import functools
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from bench.measure import count_saved_bytes
 from bench.models import GPT, MLP, ConvNet, GPTConfig, gpt_batch
@@ -160,3 +162,54 @@ def test_saved_bytes_no_more_than_torch_compile(model, args):
     # The plan's own account of saved bytes is what autograd really holds.
     (plan,) = backend.plans
     assert plan.saved_activation_bytes == measured["ckpt"]
+
+
+class CheckpointedBlocks(nn.Module):
+    """Two blocks wrapped in torch.utils.checkpoint, optionally with a
+    selective-checkpoint policy."""
+
+    def __init__(self, policy=None):
+        super().__init__()
+        self.a = nn.Linear(16, 64)
+        self.b = nn.Linear(64, 16)
+        self.policy = policy
+
+    def block(self, x):
+        return self.b(F.gelu(self.a(x)))
+
+    def forward(self, x):
+        kwargs = {}
+        if self.policy is not None:
+            kwargs["context_fn"] = functools.partial(
+                create_selective_checkpoint_contexts, self.policy
+            )
+        h = checkpoint(self.block, x, use_reentrant=False, **kwargs)
+        return checkpoint(self.block, h, use_reentrant=False, **kwargs).sum()
+
+
+def _save_matmuls(ctx, op, *args, **kwargs):
+    if op in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def test_checkpoint_regions_recompute_their_matmuls():
+    backend = assert_same_training_step(CheckpointedBlocks(), torch.randn(8, 16))
+    (plan,) = backend.plans
+    matmuls = [d for d in plan.decisions if d.op == "addmm.default"]
+    # Inside the regions the matmuls are recomputed, as eager checkpointing
+    # does; the first region's output feeds the second and is kept.
+    assert [(d.decision, d.reason) for d in matmuls] == [
+        ("recomputed", "recomputed: checkpoint policy PREFER_RECOMPUTE"),
+        ("saved", "saved: checkpoint region output read by a later region"),
+        ("recomputed", "recomputed: checkpoint policy PREFER_RECOMPUTE"),
+    ]
+
+
+def test_selective_checkpoint_policy_must_save_is_honored():
+    backend = assert_same_training_step(CheckpointedBlocks(_save_matmuls), torch.randn(8, 16))
+    (plan,) = backend.plans
+    matmuls = [d for d in plan.decisions if d.op == "addmm.default"]
+    assert len(matmuls) == 3
+    assert all(d.reason == "saved: checkpoint policy MUST_SAVE" for d in matmuls)
+    assert "gelu" not in " ".join(plan.saved)
