@@ -21,28 +21,34 @@ SMALL_GPT = GPTConfig(depth=2, width=32, heads=2, seq=32, vocab=64)
 
 
 def assert_same_training_step(model, *args, backend=None, steps=1):
-    """Train a compiled copy and an eager copy side by side; compare losses,
-    gradients, parameters and buffers. Returns the backend."""
+    """Train a compiled copy and an eager copy side by side with SGD; compare
+    losses and gradients each step, and parameters and buffers at the end.
+    Returns the backend."""
     backend = backend or make_backend(strict=True)
     eager = copy.deepcopy(model)
     compiled_model = copy.deepcopy(model)
-    compiled = torch.compile(compiled_model, backend=backend)
-    eager_opt = torch.optim.SGD(eager.parameters(), lr=0.1)
-    compiled_opt = torch.optim.SGD(compiled_model.parameters(), lr=0.1)
+    runs = [
+        (eager, eager, torch.optim.SGD(eager.parameters(), lr=0.1)),
+        (compiled_model, torch.compile(compiled_model, backend=backend),
+         torch.optim.SGD(compiled_model.parameters(), lr=0.1)),
+    ]
     for _ in range(steps):
-        for module, fn, opt in ((eager, eager, eager_opt), (compiled_model, compiled, compiled_opt)):
-            opt.zero_grad()
-            loss = _loss(fn(*args))
-            loss.backward()
-            module.last_loss = loss.detach()
-            module.last_grads = [p.grad.clone() for p in module.parameters()]
-            opt.step()
-        torch.testing.assert_close(compiled_model.last_loss, eager.last_loss, **TOLERANCE)
-        for got, want in zip(compiled_model.last_grads, eager.last_grads, strict=True):
+        (eager_loss, eager_grads), (loss, grads) = [_sgd_step(*run, args) for run in runs]
+        torch.testing.assert_close(loss, eager_loss, **TOLERANCE)
+        for got, want in zip(grads, eager_grads, strict=True):
             torch.testing.assert_close(got, want, **TOLERANCE)
     for got, want in zip(compiled_model.state_dict().values(), eager.state_dict().values(), strict=True):
         torch.testing.assert_close(got, want, **TOLERANCE)
     return backend
+
+
+def _sgd_step(module, fn, optimizer, args):
+    optimizer.zero_grad()
+    loss = _loss(fn(*args))
+    loss.backward()
+    grads = [p.grad.clone() for p in module.parameters()]
+    optimizer.step()
+    return loss.detach(), grads
 
 
 def _loss(output):
