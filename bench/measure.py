@@ -68,23 +68,30 @@ def peak_cuda_bytes(fn: Callable[[], object], device: torch.device | str = "cuda
     return torch.cuda.max_memory_allocated(device) - before
 
 
-def median_time_s(fn: Callable[[], object], repeats: int, sync: Callable[[], None] = lambda: None) -> float:
+def _no_sync() -> None:
+    pass
+
+
+def time_once_s(fn: Callable[[], object], sync: Callable[[], None] = _no_sync) -> float:
+    """Wall time of one call of ``fn``; ``sync`` waits for a device (e.g. CUDA)."""
+    sync()
+    start = time.perf_counter()
+    fn()
+    sync()
+    return time.perf_counter() - start
+
+
+def median_time_s(fn: Callable[[], object], repeats: int, sync: Callable[[], None] = _no_sync) -> float:
     """Median wall time of ``fn`` over ``repeats`` calls."""
-    times = []
-    for _ in range(repeats):
-        sync()
-        start = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.median(time_once_s(fn, sync) for _ in range(repeats))
 
 
-def max_grad_diff(model_a: torch.nn.Module, model_b: torch.nn.Module) -> float:
-    """Largest absolute difference between the two models' parameter gradients."""
+def max_grad_diff(model: torch.nn.Module, reference: list[torch.Tensor | None]) -> float:
+    """Largest absolute difference between a model's parameter gradients and
+    reference gradients (inf where only one side has a gradient)."""
     diffs = [
-        (a.grad - b.grad).abs().max().item()
-        for a, b in zip(model_a.parameters(), model_b.parameters(), strict=True)
-        if a.grad is not None or b.grad is not None
+        float("inf") if (p.grad is None) != (g is None) else (p.grad - g).abs().max().item()
+        for p, g in zip(model.parameters(), reference, strict=True)
+        if p.grad is not None or g is not None
     ]
     return max(diffs, default=0.0)

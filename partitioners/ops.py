@@ -8,8 +8,14 @@ Every node of the joint graph gets an ``OpCategory``; each category has one
 - ``NEVER``: too expensive to recompute; save it (matmul, convolution,
   attention, shrinking reductions, ops of unknown cost). A user's explicit
   checkpoint region may still recompute these.
-- ``MUST_SAVE``: recomputing would be wrong: random draws (until exact replay
-  lands), collectives, side effects and mutations. Nothing overrides this.
+- ``MUST_SAVE``: recomputing would be wrong: draws from a generator's state,
+  collectives, side effects and mutations. Nothing overrides this.
+
+Random values that Inductor draws from an explicit seed (``inductor_random``
+with ``inductor_lookup_seed``) are a pure function of that seed and the
+element index, so they are ``CHEAP``: backward replays them bit for bit from
+the saved seeds tensor (a few bytes) instead of keeping the mask. The seed
+draw itself (``inductor_seeds``) advances the generator and is saved.
 """
 from __future__ import annotations
 
@@ -44,6 +50,7 @@ class OpCategory(enum.Enum):
     SHRINKING_REDUCTION = ("reduction with a much smaller output", Recompute.NEVER)
     COMPUTE = ("compute-heavy op", Recompute.NEVER)
     UNKNOWN = ("op with no policy entry", Recompute.NEVER)
+    SEEDED_RANDOM = ("random op replayed from its saved seed", Recompute.CHEAP)
     RANDOM = ("random op", Recompute.MUST_SAVE)
     COLLECTIVE = ("collective", Recompute.MUST_SAVE)
     SIDE_EFFECT = ("op with side effects", Recompute.MUST_SAVE)
@@ -99,10 +106,11 @@ NORMALIZATION_OPS = _overloads(
     aten._native_batch_norm_legit_no_training,
 )
 
-# Inductor's own seeded random prims; not tagged nondeterministic_seeded.
-RANDOM_OPS = frozenset({
+# Inductor's random prims that read an explicit seed tensor: deterministic
+# given their inputs (the seed draws, inductor_seed(s), are tagged
+# nondeterministic_seeded and stay RANDOM).
+SEEDED_RANDOM_OPS = frozenset({
     prims.inductor_random.default, prims.inductor_randint.default,
-    prims.inductor_seeds.default,
 })
 
 COLLECTIVE_NAMESPACES = frozenset({"_c10d_functional", "c10d_functional", "_dtensor"})
@@ -141,6 +149,8 @@ def categorize(node: fx.Node, nbytes_of) -> OpCategory:
         return OpCategory.COLLECTIVE
     if target._schema.is_mutable:
         return OpCategory.SIDE_EFFECT
+    if target in SEEDED_RANDOM_OPS:
+        return OpCategory.SEEDED_RANDOM
     if _draws_random(node):
         return OpCategory.RANDOM
     if target.namespace not in ("aten", "prims"):
@@ -161,9 +171,8 @@ def categorize(node: fx.Node, nbytes_of) -> OpCategory:
 
 
 def _draws_random(node: fx.Node) -> bool:
+    """Whether the op draws from a generator's state (so cannot be replayed)."""
     target = node.target
-    if target in RANDOM_OPS:
-        return True
     if torch.Tag.nondeterministic_seeded not in target.tags:
         return False
     # Attention kernels carry the tag for their optional dropout; with

@@ -110,3 +110,20 @@ def test_gradients_match_eager_on_a_tiny_graph():
     fn(x, w1, w2).sum().backward()
     for got, want in zip(compiled_grads, (x.grad, w1.grad, w2.grad)):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_seeded_random_is_replayed_from_its_seed():
+    # Inductor's form of dropout: a seeds tensor, one seed looked up, random
+    # values drawn from it. Only the 8-byte seed is saved; the mask is
+    # recomputed. (Exactness needs Inductor's kernels: test_random_replay.py.)
+    prims = torch.ops.prims
+
+    def fn(x):
+        seed = prims.inductor_lookup_seed(prims.inductor_seeds(1, x.device), 0)
+        keep = prims.inductor_random(list(x.shape), seed, "rand") > 0.5
+        return x * keep * 2
+
+    plan, _ = aot_plan(fn, leaf(16, 16))
+    assert plan.saved == ("inductor_lookup_seed",)
+    assert plan.recomputed == ("inductor_random", "gt")
+    assert plan.saved_activation_bytes == 8
