@@ -8,7 +8,8 @@ from partitioners.plan import Plan
 
 
 class CkptBackend:
-    """A torch.compile backend; ``plans`` lists the Plan of every graph it partitioned.
+    """A torch.compile backend; ``plans`` lists the Plan of every graph it
+    partitioned, and ``reports`` the report of each when ``report_dir`` is set.
 
     A graph served from Inductor's cache was partitioned in an earlier
     process and adds no Plan.
@@ -17,6 +18,7 @@ class CkptBackend:
     def __init__(self, config: Config | None = None):
         self._config = config
         self.plans: list[Plan] = []
+        self.reports: list[dict] = []
 
     @property
     def config(self) -> Config:
@@ -25,7 +27,9 @@ class CkptBackend:
         return self._config if self._config is not None else Config.from_env()
 
     def __call__(self, gm, example_inputs):
-        partitioner = CkptPartitioner(self.config, on_plan=self.plans.append)
+        partitioner = CkptPartitioner(
+            self.config, on_plan=self.plans.append, on_report=self.reports.append
+        )
         return compat.compile_fx(
             gm, example_inputs, config_patches={"custom_partitioner_fn": partitioner}
         )

@@ -28,11 +28,16 @@ class Config:
     """Raise when the partitioner fails instead of warning and falling back to
     PyTorch's partitioner. For tests and debugging (``CKPT_STRICT``)."""
 
+    report_dir: str | None = dataclasses.field(default=None, metadata={"env": "CKPT_REPORT"})
+    """Folder to write a report (markdown and JSON) for every graph compiled
+    (``CKPT_REPORT``). Reports compare each decision with PyTorch's
+    partitioner; graphs are then not served from Inductor's cache."""
+
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "Config":
         """Read ``CKPT_<FIELD>`` variables; the only place ckpt reads the environment."""
         environ = os.environ if environ is None else environ
-        known = {ENV_PREFIX + f.name.upper(): f for f in dataclasses.fields(cls)}
+        known = {env_variable(f): f for f in dataclasses.fields(cls)}
         values = {}
         for variable, text in environ.items():
             if not variable.startswith(ENV_PREFIX):
@@ -59,6 +64,11 @@ class Config:
         return dataclasses.replace(self, **overrides)
 
 
+def env_variable(field: dataclasses.Field) -> str:
+    """The environment variable that sets a Config field."""
+    return field.metadata.get("env", ENV_PREFIX + field.name.upper())
+
+
 def _parse(variable: str, text: str, type_name: str):
     if type_name == "bool":
         word = text.strip().lower()
@@ -70,4 +80,6 @@ def _parse(variable: str, text: str, type_name: str):
             f"{variable}={text!r} is not a boolean; use one of "
             f"{', '.join(_TRUE_WORDS)} or {', '.join(_FALSE_WORDS)}"
         )
+    if type_name == "str | None":
+        return text.strip() or None
     raise AssertionError(f"no parser for settings of type {type_name}")

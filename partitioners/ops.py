@@ -159,7 +159,7 @@ def categorize(node: fx.Node, nbytes_of) -> OpCategory:
         return OpCategory.SYMBOLIC
     if target in COMPUTE_OPS:
         return OpCategory.COMPUTE
-    if any(r.alias_info is not None for r in target._schema.returns):
+    if is_view_op(target):
         return OpCategory.VIEW
     if torch.Tag.pointwise in target.tags:
         return OpCategory.POINTWISE
@@ -168,6 +168,16 @@ def categorize(node: fx.Node, nbytes_of) -> OpCategory:
     if target in NORMALIZATION_OPS or torch.Tag.reduction in target.tags:
         return _reduction_category(node, nbytes_of)
     return OpCategory.UNKNOWN
+
+
+def is_view_op(target) -> bool:
+    """An op whose output aliases an input without mutating it (view, permute, ...)."""
+    schema = getattr(target, "_schema", None)
+    return (
+        schema is not None
+        and not schema.is_mutable
+        and any(r.alias_info is not None for r in schema.returns)
+    )
 
 
 def _draws_random(node: fx.Node) -> bool:

@@ -1,6 +1,7 @@
 """CkptPartitioner: joint graph -> Plan -> (forward, backward) GraphModules."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import pathlib
 import warnings
@@ -9,7 +10,9 @@ from collections.abc import Callable
 import torch.fx as fx
 
 from . import _torch_compat as compat
-from .classify import classify
+from passes.report import build_report, pytorch_decisions, write_report
+
+from .classify import GraphFacts, classify
 from .config import Config
 from .mincut import build_flow_graph, solve
 from .plan import Plan, build_plan
@@ -19,6 +22,17 @@ _PROJECT_ROOT = pathlib.Path(__file__).resolve().parent.parent
 _DECIDING_PACKAGES = ("partitioners", "passes")
 
 _warned: set[str] = set()
+
+
+@dataclasses.dataclass(frozen=True)
+class Partition:
+    """What one partition produced: the two graphs, the Plan, and the facts
+    the Plan was decided from."""
+
+    forward: fx.GraphModule
+    backward: fx.GraphModule
+    plan: Plan
+    facts: GraphFacts
 
 
 def plan_partition(
@@ -37,7 +51,7 @@ def partition(
     *,
     num_fwd_outputs: int,
     static_lifetime_input_indices: list[int] | None = None,
-) -> tuple[fx.GraphModule, fx.GraphModule, Plan]:
+) -> Partition:
     """Plan, then build the forward and backward modules from the plan."""
     facts, saved = _decide(joint_gm, num_fwd_outputs, static_lifetime_input_indices)
     order = {node: i for i, node in enumerate(joint_gm.graph.nodes)}
@@ -49,7 +63,7 @@ def partition(
         num_fwd_outputs=num_fwd_outputs,
         static_lifetime_input_nodes=facts.static_inputs,
     )
-    return fwd, bwd, build_plan(facts, saved)
+    return Partition(fwd, bwd, build_plan(facts, saved), facts)
 
 
 def _decide(joint_gm, num_fwd_outputs, static_lifetime_input_indices):
@@ -67,20 +81,30 @@ class CkptPartitioner(compat.CustomPartitionerFn):
     """The partitioner Inductor calls (``custom_partitioner_fn``).
 
     Never costs a user their run: if planning fails, it warns once with the
-    reason and uses PyTorch's partitioner (unless ``config.strict``).
+    reason and uses PyTorch's partitioner (unless ``config.strict``). With
+    ``config.report_dir`` set, it also writes a report per graph (and hands
+    it to ``on_report``).
     """
 
-    def __init__(self, config: Config, on_plan: Callable[[Plan], None] | None = None):
+    def __init__(
+        self,
+        config: Config,
+        on_plan: Callable[[Plan], None] | None = None,
+        on_report: Callable[[dict], None] | None = None,
+    ):
         self.config = config
         self.on_plan = on_plan
+        self.on_report = on_report
 
     def __call__(self, joint_gm: fx.GraphModule, joint_inputs, **kwargs):
+        result = None
         try:
-            fwd, bwd, plan = partition(
+            result = partition(
                 joint_gm,
                 num_fwd_outputs=kwargs["num_fwd_outputs"],
                 static_lifetime_input_indices=kwargs.get("static_lifetime_input_indices"),
             )
+            fwd, bwd, plan = result.forward, result.backward, result.plan
         except Exception as error:
             if self.config.strict:
                 raise
@@ -92,11 +116,35 @@ class CkptPartitioner(compat.CustomPartitionerFn):
             )
             fwd, bwd = compat.torch_default_partition(joint_gm, joint_inputs, **kwargs)
             plan = Plan(fallback=reason)
+        if self.config.report_dir is not None:
+            self._report(result, plan, joint_gm, joint_inputs, kwargs)
         if self.on_plan is not None:
             self.on_plan(plan)
         return fwd, bwd
 
-    def uuid(self) -> str:
+    def _report(self, result, plan, joint_gm, joint_inputs, kwargs) -> None:
+        """Write this graph's report; a failure here only warns."""
+        try:
+            pytorch = None
+            if result is not None:
+                # After ckpt's graphs are built, PyTorch's partitioner may
+                # rewrite the joint graph: it is only read from here on.
+                pytorch = pytorch_decisions(
+                    *compat.torch_default_partition(joint_gm, joint_inputs, **kwargs),
+                    num_fwd_outputs=kwargs["num_fwd_outputs"],
+                )
+            report = build_report(result, plan, pytorch, self.config)
+            write_report(report, self.config.report_dir)
+            if self.on_report is not None:
+                self.on_report(report)
+        except Exception as error:
+            _warn_once(f"ckpt could not write its report ({type(error).__name__}: {error})")
+
+    def uuid(self) -> str | None:
+        # A graph served from Inductor's cache is never partitioned, so it
+        # would get no report: with reports on, skip the cache.
+        if self.config.report_dir is not None:
+            return None
         return _uuid(self.config)
 
 

@@ -29,13 +29,13 @@ def aot_plan(fn, *args, tag=None):
     def partition_fn(joint_gm, joint_inputs, **kwargs):
         if tag is not None:
             tag(joint_gm)
-        fwd, bwd, plan = partition(
+        result = partition(
             joint_gm,
             num_fwd_outputs=kwargs["num_fwd_outputs"],
             static_lifetime_input_indices=kwargs.get("static_lifetime_input_indices"),
         )
-        plans.append(plan)
-        return fwd, bwd
+        plans.append(result.plan)
+        return result.forward, result.backward
 
     compiled = aot_function(fn, fw_compiler=nop, bw_compiler=nop, partition_fn=partition_fn)
     out = compiled(*args)

@@ -1,0 +1,58 @@
+"""Canonical names for joint-graph nodes: stable across runs and edits elsewhere.
+
+A node is named by the module that produced it and its op, counted within
+that module: ``blocks.0.fc/addmm``, ``blocks.0.ln1/mul#2``. Inputs are
+``input:K``. The names do not depend on the Dynamo and AOTAutograd name
+counters (``addmm_17``), so adding a layer at the end of a model does not
+rename everything before it.
+"""
+from __future__ import annotations
+
+import collections
+import operator
+import re
+
+import torch.fx as fx
+
+from partitioners import _torch_compat as compat
+
+# Dynamo writes module paths as "L['self'].blocks.0.fc".
+_DYNAMO_ROOT = re.compile(r"^L\['self'\]\.?")
+
+
+def canonical_names(graph: fx.Graph) -> dict[fx.Node, str]:
+    names: dict[fx.Node, str] = {}
+    counts: collections.Counter[str] = collections.Counter()
+    for node in graph.nodes:
+        if node.op == "placeholder":
+            kind = "tangent" if compat.is_tangent(node) else "input"
+            names[node] = f"{kind}:{counts[kind]}"
+            counts[kind] += 1
+            continue
+        base = f"{module_path(node)}/{op_label(node)}"
+        counts[base] += 1
+        names[node] = base if counts[base] == 1 else f"{base}#{counts[base]}"
+    return names
+
+
+def module_path(node: fx.Node) -> str:
+    """The innermost module that produced the node, or ``-`` when unknown
+    (backward nodes and code outside any submodule)."""
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return "-"
+    path, _ = list(stack.values())[-1]
+    return _DYNAMO_ROOT.sub("", path) or "-"
+
+
+def op_label(node: fx.Node) -> str:
+    """A short op name: ``addmm``, ``_softmax``; a tuple element is ``op[i]``."""
+    if node.op != "call_function":
+        return node.op
+    if node.target is operator.getitem and isinstance(node.args[0], fx.Node):
+        return f"{op_label(node.args[0])}[{node.args[1]}]"
+    target = node.target
+    packet = getattr(target, "_overloadpacket", None)
+    if packet is not None:
+        return packet.__name__
+    return getattr(target, "__name__", str(target))

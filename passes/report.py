@@ -1,0 +1,254 @@
+"""Partition reports: what was saved and recomputed, why, and what PyTorch's
+partitioner decided on the same joint graph. JSON for tools, markdown for people.
+
+Everything in a report is a pure function of the graph and the config (no
+times, no addresses), so two runs of the same compile write identical files.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import pathlib
+from typing import TYPE_CHECKING
+
+import torch
+import torch.fx as fx
+
+from partitioners.cost import node_bytes
+from partitioners.ops import OpCategory, is_view_op
+from partitioners.plan import RECOMPUTED, SAVED, Plan
+
+from .canonical import canonical_names, op_label
+
+if TYPE_CHECKING:
+    from partitioners.partition import Partition
+
+MiB = 2**20
+LARGEST_TEMPORARIES = 5
+NOT_KEPT = "-"
+
+
+@dataclasses.dataclass(frozen=True)
+class PyTorchDecisions:
+    saved: frozenset[str]
+    """Node names PyTorch's partitioner saves for backward."""
+    in_backward: frozenset[str]
+    """Node names its backward graph computes."""
+
+
+def pytorch_decisions(fwd: fx.GraphModule, bwd: fx.GraphModule, *, num_fwd_outputs: int) -> PyTorchDecisions:
+    """Read PyTorch's choices off the graphs its partitioner produced (nodes
+    keep their joint-graph names)."""
+    (output,) = fwd.graph.find_nodes(op="output")
+    saved = {n.name for n in output.args[0][num_fwd_outputs:] if isinstance(n, fx.Node)}
+    in_backward = {n.name for n in bwd.graph.nodes if n.op == "call_function"}
+    return PyTorchDecisions(frozenset(saved), frozenset(in_backward))
+
+
+def build_report(result: Partition | None, plan: Plan, pytorch: PyTorchDecisions | None, config) -> dict:
+    """The report of one graph; ``result`` is None when ckpt fell back."""
+    if result is None:
+        report = {"fallback": plan.fallback, "values": [], "totals": {}, "ledger": {}, "forward_graph": {}}
+        report["graph"] = _digest(plan.fallback or "")
+        return report
+    facts = result.facts
+    graph = next(iter(facts.nodes)).graph
+    names = canonical_names(graph)
+    by_name = {node.name: node for node in facts.nodes}
+    decisions = {d.name: d for d in plan.decisions}
+    pytorch_saved = {by_name[n] for n in pytorch.saved if n in by_name}
+    pytorch_recomputed = {
+        by_name[n] for n in pytorch.in_backward if n in by_name and by_name[n] in facts.forward
+    }
+    values = []
+    for node, node_facts in facts.nodes.items():
+        decision = decisions.get(node.name)
+        if node in facts.static_inputs or (decision is None and node not in pytorch_saved | pytorch_recomputed):
+            continue
+        value = node.meta.get("val")
+        values.append({
+            "name": names[node],
+            "node": node.name,
+            "op": op_label(node),
+            "shape": _shape(node),
+            "dtype": str(value.dtype).removeprefix("torch.") if isinstance(value, torch.Tensor) else type(value).__name__,
+            "bytes": node_facts.nbytes,
+            "ckpt": decision.decision if decision else NOT_KEPT,
+            "reason": decision.reason if decision else "",
+            "pytorch": SAVED if node in pytorch_saved else RECOMPUTED if node in pytorch_recomputed else NOT_KEPT,
+        })
+    recomputed = [n for n in facts.nodes if decisions.get(n.name) and decisions[n.name].decision == RECOMPUTED]
+    report = {
+        "fallback": None,
+        "values": values,
+        "totals": {
+            "ckpt_saved_bytes": plan.saved_activation_bytes,
+            "pytorch_saved_bytes": _activation_bytes(facts, pytorch_saved),
+            "ckpt_recomputed_ops": len(recomputed),
+            "pytorch_recomputed_ops": len(pytorch_recomputed),
+            "ckpt_recompute_bytes_written": sum(
+                facts.nodes[n].nbytes for n in recomputed if _allocates(facts.nodes[n].category)
+            ),
+            "budget": None,
+            "estimated_backward_peak_bytes": estimate_backward_peak(result.backward, facts),
+        },
+        "ledger": {
+            "parameters_bytes": sum(facts.nodes[n].nbytes for n in facts.static_inputs),
+            "gradients_bytes": sum(facts.nodes[n].nbytes for n in facts.backward_outputs),
+            "saved_activation_bytes": plan.saved_activation_bytes,
+            "largest_temporaries": _largest_temporaries(facts, names),
+        },
+        "forward_graph": _forward_graph(facts, names, decisions),
+    }
+    report["graph"] = _graph_id(facts, names)
+    return report
+
+
+def _graph_id(facts, names) -> str:
+    """A digest of the graph's structure alone (not of the decisions), so the
+    same graph under two settings has the same id and the reports can be diffed."""
+    structure = [
+        [names[n], op_label(n), _shape(n), [names[a] for a in n.all_input_nodes]]
+        for n in facts.nodes
+    ]
+    return _digest(json.dumps(structure))
+
+
+def estimate_backward_peak(backward: fx.GraphModule, facts) -> int:
+    """Peak bytes live while the backward graph runs, op by op without fusion
+    (an upper bound: Inductor's fused kernels never materialize some values).
+
+    Saved activations and tangents are live from the start; each non-view
+    value is allocated when computed and freed after its storage's last use.
+    Parameters saved for backward are not counted (they live anyway).
+    """
+    static_names = {n.name for n in facts.static_inputs}
+    nodes = list(backward.graph.nodes)
+    root: dict[fx.Node, fx.Node] = {}
+    last_use: dict[fx.Node, int] = {}
+    for index, node in enumerate(nodes):
+        aliases = node.op == "call_function" and is_view_op(node.target)
+        root[node] = root[node.args[0]] if aliases else node
+        for arg in node.all_input_nodes:
+            last_use[root[arg]] = index
+    live = peak = 0
+    for index, node in enumerate(nodes):
+        if root[node] is node and node.name not in static_names:
+            live += node_bytes(node)
+            peak = max(peak, live)
+        for arg in node.all_input_nodes:
+            owner = root[arg]
+            if last_use.get(owner) == index and owner.op != "output" and node.op != "output":
+                if owner.name not in static_names:
+                    live -= node_bytes(owner)
+                last_use.pop(owner)
+    return peak
+
+
+def render_markdown(report: dict) -> str:
+    """The report as markdown; the text golden-file tests compare."""
+    lines = [f"# ckpt report: graph {report['graph']}", ""]
+    if report["fallback"]:
+        lines += [f"ckpt fell back to PyTorch's partitioner for this graph: {report['fallback']}", ""]
+        return "\n".join(lines)
+    totals, ledger = report["totals"], report["ledger"]
+    lines += [
+        "| totals | ckpt | PyTorch |",
+        "|---|---|---|",
+        f"| saved for backward | {_size(totals['ckpt_saved_bytes'])} | {_size(totals['pytorch_saved_bytes'])} |",
+        f"| ops recomputed in backward | {totals['ckpt_recomputed_ops']} | {totals['pytorch_recomputed_ops']} |",
+        "",
+        f"- recompute writes {_size(totals['ckpt_recompute_bytes_written'])} (outputs of recomputed non-view ops, before fusion)",
+        "- memory budget: none set",
+        f"- estimated backward peak: {_size(totals['estimated_backward_peak_bytes'])} (unfused liveness walk, an upper bound)",
+        "",
+        "## Values backward needs",
+        "",
+        "| value | op | shape | dtype | bytes | ckpt | reason | PyTorch |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for v in report["values"]:
+        shape = "x".join(map(str, v["shape"])) or "scalar"
+        lines.append(
+            f"| {v['name']} | {v['op']} | {shape} | {v['dtype']} | {v['bytes']} | "
+            f"{v['ckpt']} | {v['reason']} | {v['pytorch']} |"
+        )
+    lines += [
+        "",
+        "## Memory ledger (what this graph knows)",
+        "",
+        f"- parameters and buffers: {_size(ledger['parameters_bytes'])}",
+        f"- gradients it returns: {_size(ledger['gradients_bytes'])}",
+        f"- activations saved for backward: {_size(ledger['saved_activation_bytes'])}",
+        "- largest temporaries:",
+    ]
+    lines += [f"  - {t['name']} ({t['op']}, {t['where']}): {_size(t['bytes'])}" for t in ledger["largest_temporaries"]]
+    return "\n".join(lines) + "\n"
+
+
+def write_report(report: dict, folder: str | pathlib.Path) -> pathlib.Path:
+    """Write ``<graph>.json`` and ``<graph>.md`` into ``folder``; returns the JSON path."""
+    folder = pathlib.Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{report['graph']}.json"
+    path.write_text(json.dumps(report, indent=1, sort_keys=True) + "\n")
+    path.with_suffix(".md").write_text(render_markdown(report))
+    return path
+
+
+def _shape(node: fx.Node) -> list[int]:
+    value = node.meta.get("val")
+    return [int(d) if isinstance(d, int) else str(d) for d in value.shape] if isinstance(value, torch.Tensor) else []
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / MiB:.2f} MiB ({nbytes} bytes)"
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def _allocates(category: OpCategory) -> bool:
+    return category not in (OpCategory.VIEW, OpCategory.GETITEM)
+
+
+def _activation_bytes(facts, saved: set[fx.Node]) -> int:
+    roots = {facts.nodes[n].storage_root for n in saved} - set(facts.inputs)
+    return sum(facts.nodes[r].nbytes for r in roots)
+
+
+def _largest_temporaries(facts, names) -> list[dict]:
+    candidates = [
+        (node, f) for node, f in facts.nodes.items()
+        if node.op == "call_function" and _allocates(f.category) and f.nbytes
+    ]
+    order = {node: i for i, node in enumerate(facts.nodes)}
+    candidates.sort(key=lambda item: (-item[1].nbytes, order[item[0]]))
+    return [
+        {
+            "name": names[node],
+            "op": op_label(node),
+            "bytes": f.nbytes,
+            "where": "forward" if node in facts.forward else "backward",
+        }
+        for node, f in candidates[:LARGEST_TEMPORARIES]
+    ]
+
+
+def _forward_graph(facts, names, decisions) -> dict:
+    """Forward nodes and edges with their decisions, for drawing."""
+    nodes = [
+        [names[n], decisions[n.name].decision if n.name in decisions else NOT_KEPT, facts.nodes[n].nbytes]
+        for n in facts.nodes
+        if n in facts.forward
+    ]
+    edges = [
+        [names[arg], names[n]]
+        for n in facts.nodes
+        if n in facts.forward
+        for arg in n.all_input_nodes
+        if arg in facts.forward
+    ]
+    return {"nodes": nodes, "edges": edges}

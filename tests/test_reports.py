@@ -1,0 +1,132 @@
+"""Reports, golden files, diffs and pictures."""
+import copy
+import json
+
+import pytest
+import torch
+
+import partitioners.ops as ops
+from bench.measure import count_saved_bytes
+from bench.models import GPT, MLP, ConvNet, GPTConfig, gpt_batch
+from ckpt import Config, make_backend
+from ckpt.__main__ import main as ckpt_cli
+from ckpt.pytest_plugin import compare_with_golden, render_reports
+from partitioners.partition import CkptPartitioner
+from passes import graph_svg
+from passes.report import render_markdown, write_report
+
+GPT_DROPOUT = GPTConfig(depth=2, width=32, heads=2, seq=16, vocab=64, dropout=0.1)
+
+
+def _gpt():
+    torch.manual_seed(0)
+    return GPT(GPT_DROPOUT), gpt_batch(GPT_DROPOUT, 2)
+
+
+def _compile_gpt_with_report(folder):
+    """One training step of the small dropout GPT, reporting into ``folder``;
+    returns its report and the bytes autograd saved, measured."""
+    model, batch = _gpt()
+    backend = make_backend(strict=True, report_dir=str(folder))
+    torch._dynamo.reset()
+    with count_saved_bytes(list(model.parameters()) + list(batch)) as saved:
+        loss = torch.compile(model, backend=backend)(*batch)
+    loss.backward()
+    (report,) = backend.reports
+    return report, saved["bytes"]
+
+
+@pytest.fixture(scope="module")
+def gpt_run(tmp_path_factory):
+    """Compiled once for the tests that read its report."""
+    folder = tmp_path_factory.mktemp("gpt_report")
+    with torch.compiler.config.patch(force_disable_caches=True):
+        report, measured = _compile_gpt_with_report(folder)
+    return folder, report, measured
+
+
+def test_golden_mlp(ckpt_golden):
+    ckpt_golden("mlp", MLP(depth=2, width=16), torch.randn(8, 16))
+
+
+def test_golden_gpt_with_dropout(gpt_run, request):
+    _, report, _ = gpt_run
+    golden = request.path.parent / "goldens" / "gpt_dropout.md"
+    compare_with_golden(render_markdown(report), golden, request.config.getoption("--ckpt-update-goldens"))
+
+
+def test_golden_convnet(ckpt_golden):
+    ckpt_golden("convnet", ConvNet(channels=4, stages=2), torch.randn(2, 3, 8, 8), torch.randint(10, (2,)))
+
+
+def test_changed_decision_fails_with_a_diff_naming_the_value(monkeypatch, request):
+    # Pretend erf (inside GELU) were compute-heavy: ckpt stops recomputing
+    # it and saves GELU's next value instead.
+    monkeypatch.setitem(ops.__dict__, "COMPUTE_OPS", ops.COMPUTE_OPS | {torch.ops.aten.erf.default})
+    text = render_reports(MLP(depth=2, width=16), torch.randn(8, 16))
+    golden = request.path.parent / "goldens" / "mlp.md"
+    with pytest.raises(pytest.fail.Exception) as failure:
+        compare_with_golden(text, golden, update=False)
+    message = str(failure.value)
+    assert "ckpt report differs from" in message
+    assert "-| blocks.0.2/erf | erf | 8x16 | float32 | 512 | recomputed |" in message
+    assert "+| blocks.0.2/add | add | 8x16 | float32 | 512 | saved |" in message
+    assert "-# ckpt report: graph" not in message  # the graph's id does not change
+
+
+def test_two_runs_write_byte_identical_reports(gpt_run, tmp_path):
+    first_folder, first, _ = gpt_run
+    second, _ = _compile_gpt_with_report(tmp_path)
+    assert first["graph"] == second["graph"]
+    for suffix in (".json", ".md"):
+        name = f"{first['graph']}{suffix}"
+        assert (first_folder / name).read_bytes() == (tmp_path / name).read_bytes()
+
+
+def test_report_saved_bytes_equal_measured_bytes(gpt_run):
+    _, report, measured = gpt_run
+    assert report["totals"]["ckpt_saved_bytes"] == measured > 0
+    # ckpt keeps less than PyTorch would on this model (masks are replayed).
+    assert report["totals"]["ckpt_saved_bytes"] < report["totals"]["pytorch_saved_bytes"]
+
+
+def test_diff_cli_lists_changed_decisions_and_totals(gpt_run, tmp_path, capsys):
+    folder, report, _ = gpt_run
+    a = folder / f"{report['graph']}.json"
+    changed = copy.deepcopy(report)
+    row = next(v for v in changed["values"] if v["ckpt"] == "recomputed" and v["op"] == "erf")
+    row["ckpt"] = "saved"
+    changed["totals"]["ckpt_saved_bytes"] += row["bytes"]
+    b = tmp_path / "b.json"
+    b.write_text(json.dumps(changed))
+
+    assert ckpt_cli(["diff", str(a), str(b)]) == 0
+    out = capsys.readouterr().out
+    assert f"1 decision(s) differ\n  {row['name']} (erf, {row['bytes']} bytes): recomputed -> saved\n" in out
+    assert f"({row['bytes']:+d} bytes)" in out
+
+    assert ckpt_cli(["diff", str(a)]) == 0  # ckpt vs PyTorch in one report
+    out = capsys.readouterr().out
+    assert out.startswith("--- ckpt\n+++ PyTorch\n")
+    assert "saved for backward:" in out
+
+
+def test_svg_drawn_with_graphviz_or_a_clear_message(gpt_run, tmp_path, monkeypatch, capsys):
+    _, report, _ = gpt_run
+    dot = graph_svg.to_dot(report)
+    assert dot.startswith("digraph forward {") and graph_svg.COLORS["saved"] in dot
+    path = write_report(report, tmp_path)
+    if graph_svg.shutil.which("dot"):
+        assert ckpt_cli(["svg", str(path)]) == 0
+        assert "<svg" in path.with_suffix(".svg").read_text()
+    monkeypatch.setattr(graph_svg.shutil, "which", lambda name: None)
+    assert ckpt_cli(["svg", str(path)]) == 2
+    assert "graphviz's `dot` program is not installed" in capsys.readouterr().err
+
+
+def test_report_setting_from_env_and_cache_key():
+    assert Config.from_env({"CKPT_REPORT": "/tmp/r"}).report_dir == "/tmp/r"
+    assert Config.from_env({"CKPT_REPORT": ""}).report_dir is None
+    # Reports need the partitioner to run, so a reporting compile skips the cache.
+    assert CkptPartitioner(Config(report_dir="/tmp/r")).uuid() is None
+    assert CkptPartitioner(Config()).uuid() is not None
