@@ -47,11 +47,11 @@ def _failing_solve(flow):
     raise PartitionError("injected failure")
 
 
-def test_failure_falls_back_to_pytorch_partitioner_with_a_warning(monkeypatch):
+def test_failure_falls_back_to_pytorch_partitioner_with_a_warning(monkeypatch, tmp_path):
     monkeypatch.setattr(partition_module, "solve", _failing_solve)
     partition_module._warned.clear()
     model, x = MLP(depth=2, width=16), torch.randn(8, 16)
-    backend = make_backend(strict=False)
+    backend = make_backend(strict=False, report_dir=str(tmp_path))
     compiled_model = MLP(depth=2, width=16)
     compiled_model.load_state_dict(model.state_dict())
     with pytest.warns(UserWarning, match="ckpt could not partition this graph .*injected failure.*PyTorch's partitioner"):
@@ -59,6 +59,11 @@ def test_failure_falls_back_to_pytorch_partitioner_with_a_warning(monkeypatch):
     model(x).backward()
     (plan,) = backend.plans
     assert plan.fallback == "PartitionError: injected failure"
+    # ... and the report says so.
+    (report,) = backend.reports
+    assert "ckpt fell back to PyTorch's partitioner for this graph: PartitionError: injected failure" in (
+        tmp_path / f"{report['graph']}.md"
+    ).read_text()
     for got, want in zip(compiled_model.parameters(), model.parameters()):
         torch.testing.assert_close(got.grad, want.grad, rtol=1e-4, atol=1e-5)
 
