@@ -9,9 +9,11 @@ import torch
 import torch.fx as fx
 from torch._functorch import partitioners as _torch_partitioners
 from torch._functorch._aot_autograd import utils as _aot_utils
+from torch._functorch._aot_autograd.graph_compile import is_opaque_node
 from torch._functorch.compile_utils import fx_graph_cse, raise_getitems
 from torch._inductor.compile_fx import compile_fx
 from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_files
+from torch.fx.experimental._backward_state import BackwardState
 from torch.fx.experimental.proxy_tensor import is_sym_node
 from torch.fx.experimental.symbolic_shapes import optimization_hint
 from torch.utils.checkpoint import CheckpointPolicy
@@ -19,15 +21,18 @@ from torch.utils.checkpoint import CheckpointPolicy
 import torch._inductor.inductor_prims  # noqa: F401  registers prims.inductor_*
 
 __all__ = [
+    "BackwardState",
     "CheckpointPolicy",
     "CustomPartitionerFn",
     "compile_fx",
     "cse",
+    "default_store",
     "extract_forward_backward",
     "get_hash_for_files",
     "hint_int",
     "is_bwd_seed_offset",
     "is_fwd_seed_offset",
+    "is_opaque_node",
     "is_primal",
     "is_sym_node",
     "is_tangent",
@@ -66,6 +71,7 @@ def extract_forward_backward(
     joint_gm: fx.GraphModule,
     saved_values: list[fx.Node],
     saved_sym_nodes: list[fx.Node],
+    saved_opaque_nodes: list[fx.Node],
     *,
     num_fwd_outputs: int,
     static_lifetime_input_nodes: set[fx.Node],
@@ -82,6 +88,7 @@ def extract_forward_backward(
         joint_gm,
         saved_values,
         saved_sym_nodes=saved_sym_nodes,
+        saved_opaque_nodes=saved_opaque_nodes,
         num_fwd_outputs=num_fwd_outputs,
         static_lifetime_input_nodes=OrderedSet(static_lifetime_input_nodes),
     )
@@ -91,6 +98,15 @@ def extract_forward_backward(
     fwd = _torch_partitioners.thread_graphsafe_rng_from_hops(fwd, is_backward=False)
     bwd = _torch_partitioners.thread_graphsafe_rng_from_hops(bwd, is_backward=True)
     return fwd, bwd
+
+
+def default_store():
+    """The c10d key-value store of the default process group (or None)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    return dist.distributed_c10d._get_default_store()
 
 
 def torch_default_partition(

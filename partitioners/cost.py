@@ -37,8 +37,12 @@ def node_bytes(node: fx.Node) -> int:
 def is_savable_value(node: fx.Node) -> bool:
     """Whether backward can receive this node's value as a saved input.
 
-    Tensors and SymInts can be saved; tuples cannot (their elements are saved
+    Tensors, SymInts and handles (process groups and other opaque objects,
+    BackwardState) can be saved; tuples cannot (their elements are saved
     through getitem nodes), nor can SymFloats and other Python objects.
     """
     value = node.meta.get("val")
-    return isinstance(value, (torch.Tensor, torch.SymInt))
+    return (
+        isinstance(value, (torch.Tensor, torch.SymInt, compat.BackwardState))
+        or compat.is_opaque_node(node)
+    )

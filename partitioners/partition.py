@@ -16,6 +16,7 @@ from .classify import GraphFacts, classify
 from .config import Config
 from .mincut import build_flow_graph, solve
 from .plan import Plan, build_plan
+from .rank_sync import check_same_plan_on_all_ranks
 
 _PROJECT_ROOT = pathlib.Path(__file__).resolve().parent.parent
 # Source that decides what a compile produces; part of the cache key.
@@ -56,10 +57,16 @@ def partition(
     facts, saved = _decide(joint_gm, num_fwd_outputs, static_lifetime_input_indices)
     order = {node: i for i, node in enumerate(joint_gm.graph.nodes)}
     saved = sorted(saved, key=order.__getitem__)
+    # AOTAutograd passes tensors, SymInts and opaque handles to backward
+    # through separate slots.
+    sym = [n for n in saved if compat.is_sym_node(n)]
+    opaque = [n for n in saved if compat.is_opaque_node(n)]
+    values = [n for n in saved if n not in sym and n not in opaque]
     fwd, bwd = compat.extract_forward_backward(
         joint_gm,
-        [n for n in saved if not compat.is_sym_node(n)],
-        [n for n in saved if compat.is_sym_node(n)],
+        values,
+        sym,
+        opaque,
         num_fwd_outputs=num_fwd_outputs,
         static_lifetime_input_nodes=facts.static_inputs,
     )
@@ -116,6 +123,10 @@ class CkptPartitioner(compat.CustomPartitionerFn):
             )
             fwd, bwd = compat.torch_default_partition(joint_gm, joint_inputs, **kwargs)
             plan = Plan(fallback=reason)
+        if result is not None:
+            # Outside the fallback: ranks that disagree must stop, not hang.
+            fingerprint = check_same_plan_on_all_ranks(plan, result.facts)
+            plan = dataclasses.replace(plan, fingerprint=fingerprint)
         if self.config.report_dir is not None:
             self._report(result, plan, joint_gm, joint_inputs, kwargs)
         if self.on_plan is not None:

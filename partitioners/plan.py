@@ -37,6 +37,9 @@ class Plan:
     saved_activation_bytes: int = 0
     """Bytes kept alive for backward beyond the graph inputs, each storage once."""
     fallback: str | None = None
+    fingerprint: str | None = None
+    """Digest of the decisions by canonical name, set when ranks of a process
+    group compared their plans (it is then the same on every rank)."""
 
     @property
     def saved(self) -> tuple[str, ...]:

@@ -9,6 +9,8 @@ rename everything before it.
 from __future__ import annotations
 
 import collections
+import hashlib
+import json
 import operator
 import re
 
@@ -56,3 +58,22 @@ def op_label(node: fx.Node) -> str:
     if packet is not None:
         return packet.__name__
     return getattr(target, "__name__", str(target))
+
+
+def structure_digest(nodes, names: dict[fx.Node, str]) -> str:
+    """A short digest of a graph's structure (canonical names, ops, shapes,
+    edges), independent of any decision: the same graph gets the same digest
+    on every run, rank and setting."""
+    structure = [
+        [names[n], op_label(n), shape_of(n), [names[a] for a in n.all_input_nodes]]
+        for n in nodes
+    ]
+    return hashlib.sha256(json.dumps(structure).encode()).hexdigest()[:12]
+
+
+def shape_of(node: fx.Node) -> list:
+    """A tensor node's shape (symbolic sizes by name); ``[]`` for other values."""
+    value = node.meta.get("val")
+    if not hasattr(value, "shape"):
+        return []
+    return [int(d) if isinstance(d, int) else str(d) for d in value.shape]

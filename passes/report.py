@@ -19,7 +19,7 @@ from partitioners.cost import node_bytes
 from partitioners.ops import OpCategory, is_view_op
 from partitioners.plan import RECOMPUTED, SAVED, Plan
 
-from .canonical import canonical_names, op_label
+from .canonical import canonical_names, op_label, shape_of, structure_digest
 
 if TYPE_CHECKING:
     from partitioners.partition import Partition
@@ -50,7 +50,7 @@ def build_report(result: Partition | None, plan: Plan, pytorch: PyTorchDecisions
     """The report of one graph; ``result`` is None when ckpt fell back."""
     if result is None:
         report = {"fallback": plan.fallback, "values": [], "totals": {}, "ledger": {}, "forward_graph": {}}
-        report["graph"] = _digest(plan.fallback or "")
+        report["graph"] = "fallback-" + hashlib.sha256((plan.fallback or "").encode()).hexdigest()[:12]
         return report
     facts = result.facts
     graph = next(iter(facts.nodes)).graph
@@ -71,7 +71,7 @@ def build_report(result: Partition | None, plan: Plan, pytorch: PyTorchDecisions
             "name": names[node],
             "node": node.name,
             "op": op_label(node),
-            "shape": _shape(node),
+            "shape": shape_of(node),
             "dtype": str(value.dtype).removeprefix("torch.") if isinstance(value, torch.Tensor) else type(value).__name__,
             "bytes": node_facts.nbytes,
             "ckpt": decision.decision if decision else NOT_KEPT,
@@ -101,18 +101,10 @@ def build_report(result: Partition | None, plan: Plan, pytorch: PyTorchDecisions
         },
         "forward_graph": _forward_graph(facts, names, decisions),
     }
-    report["graph"] = _graph_id(facts, names)
+    # The id depends on the graph alone, not on decisions: reports of one
+    # graph under two settings share it and can be diffed.
+    report["graph"] = structure_digest(facts.nodes, names)
     return report
-
-
-def _graph_id(facts, names) -> str:
-    """A digest of the graph's structure alone (not of the decisions), so the
-    same graph under two settings has the same id and the reports can be diffed."""
-    structure = [
-        [names[n], op_label(n), _shape(n), [names[a] for a in n.all_input_nodes]]
-        for n in facts.nodes
-    ]
-    return _digest(json.dumps(structure))
 
 
 def estimate_backward_peak(backward: fx.GraphModule, facts) -> int:
@@ -197,17 +189,8 @@ def write_report(report: dict, folder: str | pathlib.Path) -> pathlib.Path:
     return path
 
 
-def _shape(node: fx.Node) -> list[int]:
-    value = node.meta.get("val")
-    return [int(d) if isinstance(d, int) else str(d) for d in value.shape] if isinstance(value, torch.Tensor) else []
-
-
 def _size(nbytes: int) -> str:
     return f"{nbytes / MiB:.2f} MiB ({nbytes} bytes)"
-
-
-def _digest(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
 def _allocates(category: OpCategory) -> bool:

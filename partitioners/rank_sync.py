@@ -1,0 +1,87 @@
+"""Every rank must decide the same plan: compare plans across ranks at compile time.
+
+A rank that recomputed a collective, or saved something the others
+recompute, would hang or corrupt the job. ckpt's decisions are a pure
+function of the graph and the config, but a rank with other settings or
+other code would still differ. So, when a process group exists and the
+graph holds collectives, each rank publishes its decisions in the process
+group's key-value store and compares them with every other rank's. A
+difference is a clear error, on every rank, naming the first differing value. The wait is bounded: a rank
+that never compiles this graph costs a warning, not a hang.
+"""
+from __future__ import annotations
+
+import collections
+import datetime
+import hashlib
+import json
+import warnings
+
+from passes.canonical import canonical_names, structure_digest
+
+from . import _torch_compat as compat
+from .classify import GraphFacts
+from .ops import OpCategory
+from .plan import Plan
+
+# How long a rank waits for the other ranks' plans of the same graph. Ranks
+# compile the same graph at about the same time; 10 minutes covers a slow
+# compile of a large graph on a busy machine.
+WAIT_FOR_OTHERS = datetime.timedelta(minutes=10)
+
+# Times each graph was compiled in this process, so recompiling a graph
+# (e.g. after torch._dynamo.reset()) uses fresh store keys.
+_compiles: collections.Counter[str] = collections.Counter()
+
+
+class PlanMismatchError(RuntimeError):
+    """Ranks decided different plans for the same graph."""
+
+
+def check_same_plan_on_all_ranks(plan: Plan, facts: GraphFacts) -> str | None:
+    """Compare this rank's plan with every other rank's; returns the plan's
+    fingerprint (None when there is no process group or no collective)."""
+    store = compat.default_store()
+    if store is None or not any(f.category is OpCategory.COLLECTIVE for f in facts.nodes.values()):
+        return None
+    import torch.distributed as dist
+
+    names = canonical_names(next(iter(facts.nodes)).graph)
+    by_name = {node.name: node for node in facts.nodes}
+    graph = structure_digest(facts.nodes, names)
+    decisions = [[names[by_name[d.name]], d.decision] for d in plan.decisions]
+    _compiles[graph] += 1
+    prefix = f"ckpt/plan/{graph}/{_compiles[graph]}"
+    rank, world = dist.get_rank(), dist.get_world_size()
+    store.set(f"{prefix}/{rank}", json.dumps(decisions))
+    others = [r for r in range(world) if r != rank]
+    try:
+        store.wait([f"{prefix}/{r}" for r in others], WAIT_FOR_OTHERS)
+    except Exception:  # the store raises its own timeout types
+        warnings.warn(
+            f"ckpt: not every rank published its plan for graph {graph} within "
+            f"{WAIT_FOR_OTHERS}; this rank's plan was not compared with theirs",
+            stacklevel=2,
+        )
+        return _fingerprint(decisions)
+    for other in others:
+        theirs = json.loads(store.get(f"{prefix}/{other}"))
+        if theirs != decisions:
+            raise PlanMismatchError(_describe_mismatch(graph, rank, other, decisions, theirs))
+    return _fingerprint(decisions)
+
+
+def _fingerprint(decisions: list) -> str:
+    return hashlib.sha256(json.dumps(decisions).encode()).hexdigest()[:16]
+
+
+def _describe_mismatch(graph: str, rank: int, other: int, mine: list, theirs: list) -> str:
+    mine_by_name, theirs_by_name = dict(map(tuple, mine)), dict(map(tuple, theirs))
+    names = [n for n, _ in mine] + [n for n, _ in theirs if n not in mine_by_name]
+    first = next(n for n in names if mine_by_name.get(n) != theirs_by_name.get(n))
+    return (
+        f"ckpt decided differently on rank {rank} than on rank {other} for graph {graph}: "
+        f"first difference at {first}: rank {rank} {mine_by_name.get(first, 'not kept')}, "
+        f"rank {other} {theirs_by_name.get(first, 'not kept')}. Every rank must run the "
+        "same ckpt version and settings (CKPT_* variables) on the same model."
+    )

@@ -1,0 +1,171 @@
+"""Worker processes for test_distributed.py: real gloo process groups on CPU.
+
+Each worker writes what it saw to ``<out>/<name>-<rank>.json``; the test
+reads those files. Runs under torch.multiprocessing.spawn.
+"""
+import copy
+import json
+import os
+import pathlib
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class TPMLP(nn.Module):
+    """Two column/row-parallel pairs: the first pair's all-reduced output
+    feeds layers whose backward needs it."""
+
+    def __init__(self, width=16, hidden=32):
+        super().__init__()
+        self.up1, self.down1 = nn.Linear(width, hidden), nn.Linear(hidden, width)
+        self.up2, self.down2 = nn.Linear(width, hidden), nn.Linear(hidden, width)
+
+    def forward(self, x):
+        h = self.down1(F.gelu(self.up1(x)))  # ends in an all-reduce
+        return self.down2(F.gelu(self.up2(h))).square().mean()
+
+
+class TPAttention(nn.Module):
+    """Causal self-attention whose heads split across ranks."""
+
+    def __init__(self, width=32, head_dim=8):
+        super().__init__()
+        self.head_dim = head_dim
+        self.q, self.k, self.v = (nn.Linear(width, width) for _ in range(3))
+        self.o = nn.Linear(width, width)
+
+    def forward(self, x):
+        batch, seq, _ = x.shape
+        q, k, v = (
+            lin(x).view(batch, seq, -1, self.head_dim).transpose(1, 2) for lin in (self.q, self.k, self.v)
+        )
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(torch.tanh(attn).transpose(1, 2).reshape(batch, seq, -1)).square().mean()
+
+
+def _init(rank, world, port):
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)  # two ranks share two cores
+    torch.compiler.config.force_disable_caches = True
+
+
+def _write(out, name, rank, result):
+    pathlib.Path(out, f"{name}-{rank}.json").write_text(json.dumps(result))
+
+
+def _grad_diff(sharded, reference):
+    diffs = []
+    for p, q in zip(sharded.parameters(), reference.parameters(), strict=True):
+        grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        diffs.append((grad - q.grad).abs().max().item())
+    return max(diffs)
+
+
+def tensor_parallel(rank, world, port, out):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from ckpt import make_backend
+
+    _init(rank, world, port)
+    mesh = init_device_mesh("cpu", (world,))
+    cases = {
+        "mlp": (TPMLP, {n: ColwiseParallel() if n.startswith("up") else RowwiseParallel()
+                        for n in ("up1", "down1", "up2", "down2")}, (8, 16)),
+        "attention": (TPAttention, {"q": ColwiseParallel(), "k": ColwiseParallel(),
+                                    "v": ColwiseParallel(), "o": RowwiseParallel()}, (2, 8, 32)),
+    }
+    result = {}
+    for name, (cls, plan, shape) in cases.items():
+        torch.manual_seed(0)
+        reference, x = cls(), torch.randn(*shape)
+        model = copy.deepcopy(reference)
+        parallelize_module(model, mesh, plan)
+        backend = make_backend(strict=True)
+        torch._dynamo.reset()
+        loss = torch.compile(model, backend=backend)(x)
+        loss.backward()
+        reference_loss = reference(x)
+        reference_loss.backward()
+        collectives = [
+            [d.decision, d.reason] for p in backend.plans for d in p.decisions if "collective" in d.reason
+        ]
+        result[name] = {
+            "loss_diff": abs(loss.item() - reference_loss.item()),
+            "grad_diff": _grad_diff(model, reference),
+            "fingerprints": [p.fingerprint for p in backend.plans],
+            "fallbacks": [p.fallback for p in backend.plans],
+            "collectives": collectives,
+        }
+    _write(out, "tp", rank, result)
+    dist.destroy_process_group()
+
+
+def fsdp(rank, world, port, out):
+    from torch.distributed.fsdp import fully_shard
+
+    from bench.models import GPT, GPTConfig, gpt_batch
+    from ckpt import make_backend
+
+    _init(rank, world, port)
+    torch.manual_seed(0)
+    cfg = GPTConfig(depth=2, width=32, heads=2, seq=16, vocab=64)
+    reference = GPT(cfg)
+    model = copy.deepcopy(reference)
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    backend = make_backend(strict=True)
+    compiled = torch.compile(model, backend=backend)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    losses = []
+    for step in range(3):
+        batch = gpt_batch(cfg, 2, seed=step)
+        for fn, opt in ((compiled, optimizer), (reference, reference_optimizer)):
+            loss = fn(*batch)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+    params = [
+        (p.full_tensor() - q).abs().max().item()
+        for p, q in zip(model.parameters(), reference.parameters(), strict=True)
+    ]
+    _write(out, "fsdp", rank, {
+        "losses": losses,
+        "param_diff": max(params),
+        "plans": len(backend.plans),
+        "fallbacks": [p.fallback for p in backend.plans],
+    })
+    dist.destroy_process_group()
+
+
+def mismatch(rank, world, port, out):
+    """Rank 1 runs a different op policy: both ranks must stop with a clear error."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    import partitioners.ops as ops
+    from ckpt import make_backend
+
+    _init(rank, world, port)
+    if rank == 1:
+        ops.COMPUTE_OPS = ops.COMPUTE_OPS | {torch.ops.aten.erf.default}
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    model = TPMLP()
+    parallelize_module(model, mesh, {n: ColwiseParallel() if n.startswith("up") else RowwiseParallel()
+                                     for n in ("up1", "down1", "up2", "down2")})
+    try:
+        torch.compile(model, backend=make_backend(strict=True))(torch.randn(8, 16)).backward()
+        error = None
+    except Exception as exc:  # Dynamo wraps the backend's error
+        error = str(exc)
+    _write(out, "mismatch", rank, {"error": error})
+    dist.destroy_process_group()

@@ -1,0 +1,59 @@
+"""ckpt under torch.distributed: 2 processes, gloo on CPU, real process groups."""
+import json
+import re
+import socket
+
+import pytest
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import distributed_workers as workers
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not built")
+WORLD = 2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(worker, tmp_path, name):
+    mp.spawn(worker, args=(WORLD, _free_port(), str(tmp_path)), nprocs=WORLD)
+    return [json.loads((tmp_path / f"{name}-{rank}.json").read_text()) for rank in range(WORLD)]
+
+
+def test_tensor_parallel_matches_single_process_eager(tmp_path):
+    ranks = _run(workers.tensor_parallel, tmp_path, "tp")
+    for case in ("mlp", "attention"):
+        for result in ranks:
+            r = result[case]
+            assert r["fallbacks"] == [None] * len(r["fallbacks"])
+            assert r["loss_diff"] < 1e-5 and r["grad_diff"] < 1e-5, (case, r)
+            # Collectives are saved, never recomputed.
+            assert all(decision == "saved" for decision, _ in r["collectives"]), r["collectives"]
+        # Ranks compared their plans: the same fingerprint on both.
+        fingerprints = [result[case]["fingerprints"] for result in ranks]
+        assert fingerprints[0] == fingerprints[1] and all(fingerprints[0])
+    assert ranks[0]["mlp"]["collectives"], "the MLP's all-reduced value feeds backward"
+    assert all(reason == "saved: collective, must not be replayed" for _, reason in ranks[0]["mlp"]["collectives"])
+
+
+def test_fsdp2_training_matches_single_process_eager(tmp_path):
+    for result in _run(workers.fsdp, tmp_path, "fsdp"):
+        assert result["fallbacks"] == [None] * result["plans"] and result["plans"] >= 1
+        compiled, eager = result["losses"][0::2], result["losses"][1::2]
+        assert max(abs(a - b) for a, b in zip(compiled, eager)) < 1e-5
+        assert result["param_diff"] < 1e-5
+
+
+def test_ranks_that_decide_differently_stop_with_a_clear_error(tmp_path):
+    for rank, result in enumerate(_run(workers.mismatch, tmp_path, "mismatch")):
+        other = 1 - rank
+        assert re.search(
+            rf"PlanMismatchError: ckpt decided differently on rank {rank} than on rank {other} "
+            rf"for graph \w+: first difference at \S+: rank {rank} (saved|recomputed|not kept), "
+            rf"rank {other} (saved|recomputed|not kept)\. Every rank must run the same ckpt",
+            result["error"],
+        ), result["error"]
