@@ -11,6 +11,8 @@ from torch.profiler import ProfilerActivity, profile
 
 
 def _storage_key(tensor: torch.Tensor) -> tuple:
+    if hasattr(tensor, "to_local"):  # a DTensor: its shard owns the storage
+        tensor = tensor.to_local()
     storage = tensor.untyped_storage()
     return (tensor.device, storage.data_ptr())
 

@@ -82,6 +82,28 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
+class TPMLP(nn.Module):
+    """Two (up, down) linear pairs for tensor parallelism: the first pair's
+    all-reduced output feeds a layer whose backward needs it."""
+
+    def __init__(self, width: int = 16, hidden: int = 32):
+        super().__init__()
+        self.up1, self.down1 = nn.Linear(width, hidden), nn.Linear(hidden, width)
+        self.up2, self.down2 = nn.Linear(width, hidden), nn.Linear(hidden, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.down1(F.gelu(self.up1(x)))  # ends in an all-reduce under TP
+        return self.down2(F.gelu(self.up2(h))).square().mean()
+
+
+def tp_mlp_plan() -> dict:
+    """``parallelize_module`` plan for TPMLP: column-parallel up, row-parallel down."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    return {name: ColwiseParallel() if name.startswith("up") else RowwiseParallel()
+            for name in ("up1", "down1", "up2", "down2")}
+
+
 class ConvNet(nn.Module):
     """Conv -> BatchNorm -> ReLU stages and a linear classifier."""
 

@@ -13,19 +13,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-
-class TPMLP(nn.Module):
-    """Two column/row-parallel pairs: the first pair's all-reduced output
-    feeds layers whose backward needs it."""
-
-    def __init__(self, width=16, hidden=32):
-        super().__init__()
-        self.up1, self.down1 = nn.Linear(width, hidden), nn.Linear(hidden, width)
-        self.up2, self.down2 = nn.Linear(width, hidden), nn.Linear(hidden, width)
-
-    def forward(self, x):
-        h = self.down1(F.gelu(self.up1(x)))  # ends in an all-reduce
-        return self.down2(F.gelu(self.up2(h))).square().mean()
+from bench.models import TPMLP, tp_mlp_plan
 
 
 class TPAttention(nn.Module):
@@ -75,8 +63,7 @@ def tensor_parallel(rank, world, port, out):
     _init(rank, world, port)
     mesh = init_device_mesh("cpu", (world,))
     cases = {
-        "mlp": (TPMLP, {n: ColwiseParallel() if n.startswith("up") else RowwiseParallel()
-                        for n in ("up1", "down1", "up2", "down2")}, (8, 16)),
+        "mlp": (TPMLP, tp_mlp_plan(), (8, 16)),
         "attention": (TPAttention, {"q": ColwiseParallel(), "k": ColwiseParallel(),
                                     "v": ColwiseParallel(), "o": RowwiseParallel()}, (2, 8, 32)),
     }
@@ -149,7 +136,7 @@ def fsdp(rank, world, port, out):
 def mismatch(rank, world, port, out):
     """Rank 1 runs a different op policy: both ranks must stop with a clear error."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import parallelize_module
 
     import partitioners.ops as ops
     from ckpt import make_backend
@@ -160,8 +147,7 @@ def mismatch(rank, world, port, out):
     mesh = init_device_mesh("cpu", (world,))
     torch.manual_seed(0)
     model = TPMLP()
-    parallelize_module(model, mesh, {n: ColwiseParallel() if n.startswith("up") else RowwiseParallel()
-                                     for n in ("up1", "down1", "up2", "down2")})
+    parallelize_module(model, mesh, tp_mlp_plan())
     try:
         torch.compile(model, backend=make_backend(strict=True))(torch.randn(8, 16)).backward()
         error = None

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from bench.models import GPT, GPTConfig, gpt_batch
 from ckpt import make_backend
 
-DROPOUT_GPT = GPTConfig(depth=2, width=32, heads=2, seq=32, vocab=64, dropout=0.1)
+DROPOUT_GPT = GPTConfig(depth=1, width=32, heads=2, seq=32, vocab=64, dropout=0.1)
 TOLERANCE = dict(rtol=1e-4, atol=1e-5)
 
 
