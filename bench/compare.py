@@ -61,21 +61,21 @@ def reference_mode(model_name: str) -> str:
 def _reference_grads(model_name: str, base, args) -> list[torch.Tensor]:
     torch._dynamo.reset()
     model = copy.deepcopy(base)
-    fn = _compiled(model, reference_mode(model_name), [])
+    fn, _ = _compiled(model, reference_mode(model_name))
     torch.manual_seed(0)
     fn(*args).backward()
     return [p.grad for p in model.parameters()]
 
 
-def _compiled(model, mode: str, backend_plans: list):
+def _compiled(model, mode: str):
+    """The callable for ``mode``, and the list where ckpt records its Plans."""
     if mode == "eager":
-        return model
+        return model, []
     if mode == "compile":
-        return torch.compile(model)
+        return torch.compile(model), []
     if mode == "ckpt":
         backend = make_backend()
-        backend.plans = backend_plans
-        return torch.compile(model, backend=backend)
+        return torch.compile(model, backend=backend), backend.plans
     raise ValueError(f"unknown mode {mode!r}; choose from {MODES}")
 
 
@@ -87,7 +87,7 @@ def compare(model_name: str, modes=MODES, repeats: int = 10) -> list[ModeResult]
     for mode in modes:
         torch._dynamo.reset()
         model = copy.deepcopy(base)
-        fn = _compiled(model, mode, backend_plans := [])
+        fn, plans = _compiled(model, mode)
 
         def step(model=model, fn=fn):
             model.zero_grad(set_to_none=True)
@@ -98,7 +98,7 @@ def compare(model_name: str, modes=MODES, repeats: int = 10) -> list[ModeResult]
         step()  # compiles
         result = ModeResult(mode, compile_s=time.perf_counter() - start)
         result.max_grad_diff = max_grad_diff(model, reference)
-        if any(p.fallback for p in backend_plans):
+        if any(p.fallback for p in plans):
             result.notes = "fell back to PyTorch's partitioner"
         model.zero_grad(set_to_none=True)
         with count_saved_bytes(list(model.parameters()) + list(args)) as saved:
