@@ -24,6 +24,7 @@ __all__ = [
     "BackwardState",
     "CheckpointPolicy",
     "CustomPartitionerFn",
+    "OpOverload",
     "compile_fx",
     "cse",
     "default_store",
@@ -41,6 +42,8 @@ __all__ = [
     "must_be_in_forward",
     "torch_default_partition",
 ]
+
+OpOverload = torch._ops.OpOverload
 
 # Placeholder roles: AOTAutograd names joint-graph placeholders by role
 # (primals_*, tangents_*, fwd_seed, ...); torch's own helpers read the names.

@@ -141,7 +141,7 @@ def categorize(node: fx.Node, nbytes_of) -> OpCategory:
         return OpCategory.GETITEM if parent.policy is Recompute.CHEAP else parent
     if compat.is_with_effects(node):
         return OpCategory.SIDE_EFFECT
-    if not isinstance(target, torch._ops.OpOverload):
+    if not isinstance(target, compat.OpOverload):
         if compat.is_sym_node(node):
             return OpCategory.SYMBOLIC
         return OpCategory.UNKNOWN  # higher-order ops and Python callables
