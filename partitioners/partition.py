@@ -144,7 +144,7 @@ class CkptPartitioner(compat.CustomPartitionerFn):
                     *compat.torch_default_partition(joint_gm, joint_inputs, **kwargs),
                     num_fwd_outputs=kwargs["num_fwd_outputs"],
                 )
-            report = build_report(result, plan, pytorch, self.config)
+            report = build_report(result, plan, pytorch)
             write_report(report, self.config.report_dir)
             if self.on_report is not None:
                 self.on_report(report)

@@ -65,7 +65,7 @@ def build_plan(facts: GraphFacts, saved: list[fx.Node]) -> Plan:
         if node in saved_set:
             decision, reason = SAVED, _save_reason(node, node_facts, facts)
         elif node in recomputed:
-            decision, reason = RECOMPUTED, _recompute_reason(node, node_facts)
+            decision, reason = RECOMPUTED, _recompute_reason(node_facts)
         else:
             continue
         decisions.append(
@@ -121,7 +121,7 @@ def _save_reason(node: fx.Node, node_facts: NodeFacts, facts: GraphFacts) -> str
     return f"saved: {category.label}, on the minimum cut (fewest bytes)"
 
 
-def _recompute_reason(node: fx.Node, node_facts: NodeFacts) -> str:
+def _recompute_reason(node_facts: NodeFacts) -> str:
     if user_wants_recompute(node_facts):
         return f"recomputed: checkpoint policy {node_facts.user_tag.name}"
     return f"recomputed: {node_facts.category.label}, cheaper than saving"

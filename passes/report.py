@@ -46,7 +46,7 @@ def pytorch_decisions(fwd: fx.GraphModule, bwd: fx.GraphModule, *, num_fwd_outpu
     return PyTorchDecisions(frozenset(saved), frozenset(in_backward))
 
 
-def build_report(result: Partition | None, plan: Plan, pytorch: PyTorchDecisions | None, config) -> dict:
+def build_report(result: Partition | None, plan: Plan, pytorch: PyTorchDecisions | None) -> dict:
     """The report of one graph; ``result`` is None when ckpt fell back."""
     if result is None:
         report = {"fallback": plan.fallback, "values": [], "totals": {}, "ledger": {}, "forward_graph": {}}
