@@ -105,6 +105,8 @@ def compare(model_name: str, modes=MODES, repeats: int = 10) -> list[ModeResult]
             loss = fn(*args)
         loss.backward()
         result.saved_bytes = saved["bytes"]
+        # Free the gradients first: the peak counts from parameters and inputs alone.
+        model.zero_grad(set_to_none=True)
         result.peak_bytes = peak_cpu_bytes(step)
         steps[mode], results[mode] = step, result
 

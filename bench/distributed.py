@@ -73,6 +73,7 @@ def _worker(rank, port, out):
             with count_saved_bytes(list(model.parameters()) + list(inputs)) as saved:
                 loss = fn(*inputs)
             loss.backward()
+            model.zero_grad(set_to_none=True)  # the peak counts from parameters and inputs alone
             rows.append([name, mode, rank, saved["bytes"], peak_cpu_bytes(step)])
     with open(os.path.join(out, f"{rank}.json"), "w") as f:
         json.dump(rows, f)

@@ -28,12 +28,19 @@ def main(argv=None) -> int:
     svg.add_argument("-o", "--output", help="SVG path (default: next to the report)")
     args = parser.parse_args(argv)
 
+    paths = [args.a] + ([args.b] if args.b else []) if args.command == "diff" else [args.report]
+    reports = [_load(path) for path in paths]
+    for path, report in zip(paths, reports):
+        if report.get("fallback"):
+            print(f"ckpt: {path} has no decisions: ckpt fell back to PyTorch's partitioner "
+                  f"for that graph ({report['fallback']})", file=sys.stderr)
+            return 2
     if args.command == "diff":
-        a = _load(args.a)
-        text = diff_against_pytorch(a) if args.b is None else diff_reports(a, _load(args.b), args.a, args.b)
+        a, *rest = reports
+        text = diff_against_pytorch(a) if not rest else diff_reports(a, rest[0], args.a, args.b)
         sys.stdout.write(text)
         return 0
-    report = _load(args.report)
+    (report,) = reports
     output = args.output or str(pathlib.Path(args.report).with_suffix(".svg"))
     try:
         print(write_svg(report, output))

@@ -41,7 +41,7 @@ class GraphFacts:
     backward: frozenset[fx.Node]
     """Nodes that can only run in backward (they depend on tangents)."""
     backward_outputs: tuple[fx.Node, ...]
-    inputs: tuple[fx.Node, ...]
+    inputs: frozenset[fx.Node]
     """Primal inputs and forward RNG seeds: available in forward only."""
     static_inputs: frozenset[fx.Node]
     """Parameters and buffers: alive all step, so free to save."""
@@ -70,7 +70,7 @@ def classify(
     primals = [p for p in placeholders if compat.is_primal(p)]
     static_indices = set(static_lifetime_input_indices or ())
     static_inputs = frozenset(p for i, p in enumerate(primals) if i in static_indices)
-    inputs = tuple(primals + [p for p in placeholders if compat.is_fwd_seed_offset(p)])
+    inputs = frozenset(primals + [p for p in placeholders if compat.is_fwd_seed_offset(p)])
 
     dist = _distance_from_backward(graph, forward)
     nodes: dict[fx.Node, NodeFacts] = {}

@@ -34,7 +34,6 @@ def build_flow_graph(facts: GraphFacts) -> nx.DiGraph:
     flow = nx.DiGraph()
     flow.add_nodes_from([SOURCE, SINK])
     byte_scale = (MAX_TIE_DISTANCE + 1) * len(facts.nodes) + 1
-    inputs = set(facts.inputs)
     outputs_needed_by_backward = set(facts.backward_outputs)
     for node, node_facts in facts.nodes.items():
         if node in facts.backward:
@@ -43,7 +42,7 @@ def build_flow_graph(facts: GraphFacts) -> nx.DiGraph:
         if node in outputs_needed_by_backward:
             flow.add_edge((node, OUT), SINK)
         forward = node in facts.forward
-        banned = node in inputs or node in facts.forced_saves or (
+        banned = node in facts.inputs or node in facts.forced_saves or (
             forward and not recompute_allowed(node_facts)
         )
         if banned:

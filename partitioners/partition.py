@@ -59,9 +59,10 @@ def partition(
     saved = sorted(saved, key=order.__getitem__)
     # AOTAutograd passes tensors, SymInts and opaque handles to backward
     # through separate slots.
-    sym = [n for n in saved if compat.is_sym_node(n)]
-    opaque = [n for n in saved if compat.is_opaque_node(n)]
-    values = [n for n in saved if n not in sym and n not in opaque]
+    values, sym, opaque = [], [], []
+    for node in saved:
+        slot = sym if compat.is_sym_node(node) else opaque if compat.is_opaque_node(node) else values
+        slot.append(node)
     fwd, bwd = compat.extract_forward_backward(
         joint_gm,
         values,
@@ -121,11 +122,13 @@ class CkptPartitioner(compat.CustomPartitionerFn):
                 "using PyTorch's partitioner for it instead. "
                 "Set CKPT_STRICT=1 to raise instead."
             )
-            fwd, bwd = compat.torch_default_partition(joint_gm, joint_inputs, **kwargs)
             plan = Plan(fallback=reason)
-        if result is not None:
-            # Outside the fallback: ranks that disagree must stop, not hang.
-            fingerprint = check_same_plan_on_all_ranks(plan, result.facts)
+            # Ranks that disagree must stop, not hang: compare before
+            # PyTorch's partitioner rewrites the graph.
+            check_same_plan_on_all_ranks(joint_gm.graph, plan)
+            fwd, bwd = compat.torch_default_partition(joint_gm, joint_inputs, **kwargs)
+        else:
+            fingerprint = check_same_plan_on_all_ranks(joint_gm.graph, plan)
             plan = dataclasses.replace(plan, fingerprint=fingerprint)
         if self.config.report_dir is not None:
             self._report(result, plan, joint_gm, joint_inputs, kwargs)

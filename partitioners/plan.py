@@ -78,11 +78,13 @@ def build_plan(facts: GraphFacts, saved: list[fx.Node]) -> Plan:
                 is_input=node_facts.storage_root in facts.inputs,
             )
         )
-    activation_storages = {facts.nodes[n].storage_root for n in saved} - set(facts.inputs)
-    return Plan(
-        decisions=tuple(decisions),
-        saved_activation_bytes=sum(facts.nodes[r].nbytes for r in activation_storages),
-    )
+    return Plan(decisions=tuple(decisions), saved_activation_bytes=activation_bytes(facts, saved))
+
+
+def activation_bytes(facts: GraphFacts, saved) -> int:
+    """Bytes that saving ``saved`` keeps alive beyond the graph inputs, each storage once."""
+    storages = {facts.nodes[n].storage_root for n in saved} - facts.inputs
+    return sum(facts.nodes[root].nbytes for root in storages)
 
 
 def _recomputed_nodes(facts: GraphFacts, saved: set[fx.Node]) -> set[fx.Node]:

@@ -17,11 +17,12 @@ import hashlib
 import json
 import warnings
 
+import torch.fx as fx
+
 from passes.canonical import canonical_names, structure_digest
 
 from . import _torch_compat as compat
-from .classify import GraphFacts
-from .ops import OpCategory
+from .ops import COLLECTIVE_NAMESPACES
 from .plan import Plan
 
 # How long a rank waits for the other ranks' plans of the same graph. Ranks
@@ -38,20 +39,32 @@ class PlanMismatchError(RuntimeError):
     """Ranks decided different plans for the same graph."""
 
 
-def check_same_plan_on_all_ranks(plan: Plan, facts: GraphFacts) -> str | None:
-    """Compare this rank's plan with every other rank's; returns the plan's
-    fingerprint (None when there is no process group or no collective)."""
+FELL_BACK = "<fell back to PyTorch's partitioner>"
+
+
+def check_same_plan_on_all_ranks(graph: fx.Graph, plan: Plan) -> str | None:
+    """Compare this rank's plan of the joint ``graph`` with every other
+    rank's; returns the plan's fingerprint (None when there is no process
+    group or the graph has no collective).
+
+    A fallback plan takes part too: if every rank fell back alike, all use
+    PyTorch's partitioner; if only some did, all stop with the error.
+    """
     store = compat.default_store()
-    if store is None or not any(f.category is OpCategory.COLLECTIVE for f in facts.nodes.values()):
+    nodes = [n for n in graph.nodes if n.op != "output"]
+    if store is None or not any(_is_collective(n) for n in nodes):
         return None
     import torch.distributed as dist
 
-    names = canonical_names(next(iter(facts.nodes)).graph)
-    by_name = {node.name: node for node in facts.nodes}
-    graph = structure_digest(facts.nodes, names)
-    decisions = [[names[by_name[d.name]], d.decision] for d in plan.decisions]
-    _compiles[graph] += 1
-    prefix = f"ckpt/plan/{graph}/{_compiles[graph]}"
+    names = canonical_names(graph)
+    by_name = {node.name: node for node in nodes}
+    digest = structure_digest(nodes, names)
+    if plan.fallback is not None:
+        decisions = [[FELL_BACK, plan.fallback]]
+    else:
+        decisions = [[names[by_name[d.name]], d.decision] for d in plan.decisions]
+    _compiles[digest] += 1
+    prefix = f"ckpt/plan/{digest}/{_compiles[digest]}"
     rank, world = dist.get_rank(), dist.get_world_size()
     store.set(f"{prefix}/{rank}", json.dumps(decisions))
     others = [r for r in range(world) if r != rank]
@@ -59,7 +72,7 @@ def check_same_plan_on_all_ranks(plan: Plan, facts: GraphFacts) -> str | None:
         store.wait([f"{prefix}/{r}" for r in others], WAIT_FOR_OTHERS)
     except Exception:  # the store raises its own timeout types
         warnings.warn(
-            f"ckpt: not every rank published its plan for graph {graph} within "
+            f"ckpt: not every rank published its plan for graph {digest} within "
             f"{WAIT_FOR_OTHERS}; this rank's plan was not compared with theirs",
             stacklevel=2,
         )
@@ -67,8 +80,13 @@ def check_same_plan_on_all_ranks(plan: Plan, facts: GraphFacts) -> str | None:
     for other in others:
         theirs = json.loads(store.get(f"{prefix}/{other}"))
         if theirs != decisions:
-            raise PlanMismatchError(_describe_mismatch(graph, rank, other, decisions, theirs))
+            raise PlanMismatchError(_describe_mismatch(digest, rank, other, decisions, theirs))
     return _fingerprint(decisions)
+
+
+def _is_collective(node: fx.Node) -> bool:
+    namespace = getattr(node.target, "namespace", None)
+    return node.op == "call_function" and namespace in COLLECTIVE_NAMESPACES
 
 
 def _fingerprint(decisions: list) -> str:
@@ -77,6 +95,13 @@ def _fingerprint(decisions: list) -> str:
 
 def _describe_mismatch(graph: str, rank: int, other: int, mine: list, theirs: list) -> str:
     mine_by_name, theirs_by_name = dict(map(tuple, mine)), dict(map(tuple, theirs))
+    for fell_back, reason, kept in ((rank, mine_by_name, other), (other, theirs_by_name, rank)):
+        if FELL_BACK in reason:
+            return (
+                f"ckpt fell back to PyTorch's partitioner on rank {fell_back} but not on rank "
+                f"{kept} for graph {graph} ({reason[FELL_BACK]}); the ranks would partition "
+                "differently. Fix the failure, or set CKPT_STRICT=1 to see it."
+            )
     names = [n for n, _ in mine] + [n for n, _ in theirs if n not in mine_by_name]
     first = next(n for n in names if mine_by_name.get(n) != theirs_by_name.get(n))
     return (

@@ -10,23 +10,28 @@ from .report import NOT_KEPT, _size
 def diff_reports(a: dict, b: dict, a_label: str = "A", b_label: str = "B") -> str:
     """Compare ckpt's decisions in two reports (two budgets, two commits, ...)."""
     return _diff(
-        {v["name"]: (v["ckpt"], v["bytes"], v["op"]) for v in a["values"]},
-        {v["name"]: (v["ckpt"], v["bytes"], v["op"]) for v in b["values"]},
+        _by_name(a, "ckpt"),
+        _by_name(b, "ckpt"),
         a_label,
         b_label,
-        (a["totals"].get("ckpt_saved_bytes", 0), b["totals"].get("ckpt_saved_bytes", 0)),
+        (a["totals"]["ckpt_saved_bytes"], b["totals"]["ckpt_saved_bytes"]),
     )
 
 
 def diff_against_pytorch(report: dict) -> str:
     """Compare ckpt with PyTorch's partitioner within one report."""
     return _diff(
-        {v["name"]: (v["ckpt"], v["bytes"], v["op"]) for v in report["values"]},
-        {v["name"]: (v["pytorch"], v["bytes"], v["op"]) for v in report["values"]},
+        _by_name(report, "ckpt"),
+        _by_name(report, "pytorch"),
         "ckpt",
         "PyTorch",
         (report["totals"]["ckpt_saved_bytes"], report["totals"]["pytorch_saved_bytes"]),
     )
+
+
+def _by_name(report: dict, partitioner: str) -> dict:
+    """value name -> (decision of ``partitioner``, bytes, op)."""
+    return {v["name"]: (v[partitioner], v["bytes"], v["op"]) for v in report["values"]}
 
 
 def _diff(a: dict, b: dict, a_label: str, b_label: str, saved_totals: tuple[int, int]) -> str:

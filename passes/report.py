@@ -17,7 +17,7 @@ import torch.fx as fx
 
 from partitioners.cost import node_bytes
 from partitioners.ops import OpCategory, is_view_op
-from partitioners.plan import RECOMPUTED, SAVED, Plan
+from partitioners.plan import RECOMPUTED, SAVED, Plan, activation_bytes
 
 from .canonical import canonical_names, op_label, shape_of, structure_digest
 
@@ -61,10 +61,11 @@ def build_report(result: Partition | None, plan: Plan, pytorch: PyTorchDecisions
     pytorch_recomputed = {
         by_name[n] for n in pytorch.in_backward if n in by_name and by_name[n] in facts.forward
     }
+    pytorch_kept = pytorch_saved | pytorch_recomputed
     values = []
     for node, node_facts in facts.nodes.items():
         decision = decisions.get(node.name)
-        if node in facts.static_inputs or (decision is None and node not in pytorch_saved | pytorch_recomputed):
+        if node in facts.static_inputs or (decision is None and node not in pytorch_kept):
             continue
         value = node.meta.get("val")
         values.append({
@@ -84,7 +85,7 @@ def build_report(result: Partition | None, plan: Plan, pytorch: PyTorchDecisions
         "values": values,
         "totals": {
             "ckpt_saved_bytes": plan.saved_activation_bytes,
-            "pytorch_saved_bytes": _activation_bytes(facts, pytorch_saved),
+            "pytorch_saved_bytes": activation_bytes(facts, pytorch_saved),
             "ckpt_recomputed_ops": len(recomputed),
             "pytorch_recomputed_ops": len(pytorch_recomputed),
             "ckpt_recompute_bytes_written": sum(
@@ -197,18 +198,12 @@ def _allocates(category: OpCategory) -> bool:
     return category not in (OpCategory.VIEW, OpCategory.GETITEM)
 
 
-def _activation_bytes(facts, saved: set[fx.Node]) -> int:
-    roots = {facts.nodes[n].storage_root for n in saved} - set(facts.inputs)
-    return sum(facts.nodes[r].nbytes for r in roots)
-
-
 def _largest_temporaries(facts, names) -> list[dict]:
     candidates = [
         (node, f) for node, f in facts.nodes.items()
         if node.op == "call_function" and _allocates(f.category) and f.nbytes
     ]
-    order = {node: i for i, node in enumerate(facts.nodes)}
-    candidates.sort(key=lambda item: (-item[1].nbytes, order[item[0]]))
+    candidates.sort(key=lambda item: -item[1].nbytes)  # stable: ties stay in graph order
     return [
         {
             "name": names[node],

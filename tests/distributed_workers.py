@@ -155,3 +155,31 @@ def mismatch(rank, world, port, out):
         error = str(exc)
     _write(out, "mismatch", rank, {"error": error})
     dist.destroy_process_group()
+
+
+def _failing_solve(flow):
+    raise RuntimeError("injected failure")
+
+
+def lone_fallback(rank, world, port, out):
+    """Only rank 1 fails to partition: both ranks must stop, not run apart."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    import partitioners.partition as partition_module
+    from ckpt import make_backend
+
+    _init(rank, world, port)
+    if rank == 1:
+        partition_module.solve = _failing_solve
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    model = TPMLP()
+    parallelize_module(model, mesh, tp_mlp_plan())
+    try:
+        torch.compile(model, backend=make_backend(strict=False))(torch.randn(8, 16)).backward()
+        error = None
+    except Exception as exc:  # Dynamo wraps the backend's error
+        error = str(exc)
+    _write(out, "lone_fallback", rank, {"error": error})
+    dist.destroy_process_group()

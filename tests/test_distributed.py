@@ -57,3 +57,13 @@ def test_ranks_that_decide_differently_stop_with_a_clear_error(tmp_path):
             rf"rank {other} (saved|recomputed|not kept)\. Every rank must run the same ckpt",
             result["error"],
         ), result["error"]
+
+
+def test_a_lone_fallback_stops_every_rank(tmp_path):
+    for result in _run(workers.lone_fallback, tmp_path, "lone_fallback"):
+        assert result["error"] is not None
+        assert re.search(
+            r"PlanMismatchError: ckpt fell back to PyTorch's partitioner on rank 1 but not on rank 0 "
+            r"for graph \w+ \(RuntimeError: injected failure\)",
+            result["error"],
+        ), result["error"]

@@ -130,3 +130,13 @@ def test_report_setting_from_env_and_cache_key():
     # Reports need the partitioner to run, so a reporting compile skips the cache.
     assert CkptPartitioner(Config(report_dir="/tmp/r")).uuid() is None
     assert CkptPartitioner(Config()).uuid() is not None
+
+
+def test_cli_on_a_fallback_report_says_there_are_no_decisions(tmp_path, capsys):
+    path = tmp_path / "fallback.json"
+    path.write_text(json.dumps({"fallback": "PartitionError: no finite cut", "values": [], "totals": {}}))
+    for command in (["diff", str(path)], ["svg", str(path)]):
+        assert ckpt_cli(command) == 2
+        assert "ckpt fell back to PyTorch's partitioner for that graph (PartitionError: no finite cut)" in (
+            capsys.readouterr().err
+        )
