@@ -133,53 +133,53 @@ def fsdp(rank, world, port, out):
     dist.destroy_process_group()
 
 
-def mismatch(rank, world, port, out):
-    """Rank 1 runs a different op policy: both ranks must stop with a clear error."""
+def _tp_mlp_step_error(rank, world, port, out, name, *, strict, break_rank_1):
+    """One compiled TP-MLP step after ``break_rank_1()`` ran on rank 1 only;
+    writes the error the step raised (None if it ran)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
 
-    import partitioners.ops as ops
     from ckpt import make_backend
 
     _init(rank, world, port)
     if rank == 1:
-        ops.COMPUTE_OPS = ops.COMPUTE_OPS | {torch.ops.aten.erf.default}
+        break_rank_1()
     mesh = init_device_mesh("cpu", (world,))
     torch.manual_seed(0)
     model = TPMLP()
     parallelize_module(model, mesh, tp_mlp_plan())
     try:
-        torch.compile(model, backend=make_backend(strict=True))(torch.randn(8, 16)).backward()
+        torch.compile(model, backend=make_backend(strict=strict))(torch.randn(8, 16)).backward()
         error = None
     except Exception as exc:  # Dynamo wraps the backend's error
         error = str(exc)
-    _write(out, "mismatch", rank, {"error": error})
+    _write(out, name, rank, {"error": error})
     dist.destroy_process_group()
+
+
+def _treat_erf_as_compute_heavy():
+    import partitioners.ops as ops
+
+    ops.COMPUTE_OPS = ops.COMPUTE_OPS | {torch.ops.aten.erf.default}
 
 
 def _failing_solve(flow):
     raise RuntimeError("injected failure")
 
 
+def _make_partitioning_fail():
+    import partitioners.partition as partition_module
+
+    partition_module.solve = _failing_solve
+
+
+def mismatch(rank, world, port, out):
+    """Rank 1 runs a different op policy: both ranks must stop with a clear error."""
+    _tp_mlp_step_error(rank, world, port, out, "mismatch", strict=True,
+                       break_rank_1=_treat_erf_as_compute_heavy)
+
+
 def lone_fallback(rank, world, port, out):
     """Only rank 1 fails to partition: both ranks must stop, not run apart."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import parallelize_module
-
-    import partitioners.partition as partition_module
-    from ckpt import make_backend
-
-    _init(rank, world, port)
-    if rank == 1:
-        partition_module.solve = _failing_solve
-    mesh = init_device_mesh("cpu", (world,))
-    torch.manual_seed(0)
-    model = TPMLP()
-    parallelize_module(model, mesh, tp_mlp_plan())
-    try:
-        torch.compile(model, backend=make_backend(strict=False))(torch.randn(8, 16)).backward()
-        error = None
-    except Exception as exc:  # Dynamo wraps the backend's error
-        error = str(exc)
-    _write(out, "lone_fallback", rank, {"error": error})
-    dist.destroy_process_group()
+    _tp_mlp_step_error(rank, world, port, out, "lone_fallback", strict=False,
+                       break_rank_1=_make_partitioning_fail)
