@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 import dataclasses
-import operator
 
 import torch.fx as fx
+
+from passes.canonical import op_label
 
 from .classify import GraphFacts, NodeFacts, user_wants_recompute
 from .ops import Recompute
@@ -71,7 +72,7 @@ def build_plan(facts: GraphFacts, saved: list[fx.Node]) -> Plan:
         decisions.append(
             Decision(
                 node.name,
-                _op_name(node),
+                op_label(node, overload=True),
                 decision,
                 node_facts.nbytes,
                 reason,
@@ -127,11 +128,3 @@ def _recompute_reason(node_facts: NodeFacts) -> str:
     if user_wants_recompute(node_facts):
         return f"recomputed: checkpoint policy {node_facts.user_tag.name}"
     return f"recomputed: {node_facts.category.label}, cheaper than saving"
-
-
-def _op_name(node: fx.Node) -> str:
-    if node.op != "call_function":
-        return node.op
-    if node.target is operator.getitem and isinstance(node.args[0], fx.Node):
-        return f"{_op_name(node.args[0])}[{node.args[1]}]"
-    return getattr(node.target, "__name__", str(node.target))

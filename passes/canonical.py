@@ -47,15 +47,16 @@ def module_path(node: fx.Node) -> str:
     return _DYNAMO_ROOT.sub("", path) or "-"
 
 
-def op_label(node: fx.Node) -> str:
-    """A short op name: ``addmm``, ``_softmax``; a tuple element is ``op[i]``."""
+def op_label(node: fx.Node, *, overload: bool = False) -> str:
+    """A short op name: ``addmm`` (``addmm.default`` with ``overload``);
+    a tuple element is ``op[i]``."""
     if node.op != "call_function":
         return node.op
     if node.target is operator.getitem and isinstance(node.args[0], fx.Node):
-        return f"{op_label(node.args[0])}[{node.args[1]}]"
+        return f"{op_label(node.args[0], overload=overload)}[{node.args[1]}]"
     target = node.target
     packet = getattr(target, "_overloadpacket", None)
-    if packet is not None:
+    if packet is not None and not overload:
         return packet.__name__
     return getattr(target, "__name__", str(target))
 
