@@ -3,7 +3,7 @@
     from ckpt import ckpt_backend
     model = torch.compile(model, backend=ckpt_backend)   # or backend="ckpt"
 """
-from partitioners.config import Config, ConfigError
+from partitioners.config import Config, ConfigError, MemoryBudget
 from partitioners.plan import Decision, Plan
 
 from .backend import CkptBackend, ckpt_backend, make_backend
@@ -12,6 +12,7 @@ __all__ = [
     "CkptBackend",
     "Config",
     "ConfigError",
+    "MemoryBudget",
     "Decision",
     "Plan",
     "ckpt_backend",

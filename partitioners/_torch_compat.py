@@ -41,6 +41,7 @@ __all__ = [
     "must_be_in_backward",
     "must_be_in_forward",
     "torch_default_partition",
+    "flop_formula",
 ]
 
 OpOverload = torch._ops.OpOverload
@@ -120,3 +121,14 @@ def torch_default_partition(
     return _torch_partitioners.min_cut_rematerialization_partition(
         joint_gm, joint_inputs, compiler="inductor", **kwargs
     )
+
+
+def flop_formula(target):
+    """torch.utils.flop_counter's FLOP formula for an op (None if it has none).
+
+    The formula takes the op's (fake) arguments plus ``out_val=`` its output.
+    """
+    from torch.utils.flop_counter import flop_registry
+
+    packet = getattr(target, "overloadpacket", target)
+    return flop_registry.get(packet)

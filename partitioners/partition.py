@@ -14,7 +14,8 @@ from passes.report import build_report, pytorch_decisions, write_report
 
 from .classify import GraphFacts, classify
 from .config import Config
-from .mincut import build_flow_graph, solve
+from .budget import solve_with_budget
+from .cost import profile_for
 from .plan import Plan, build_plan
 from .rank_sync import check_same_plan_on_all_ranks
 
@@ -41,10 +42,11 @@ def plan_partition(
     *,
     num_fwd_outputs: int,
     static_lifetime_input_indices: list[int] | None = None,
+    config: Config = Config(),
 ) -> Plan:
     """Decide what to save; the joint graph is cleaned (DCE, CSE) in place."""
-    facts, saved = _decide(joint_gm, num_fwd_outputs, static_lifetime_input_indices)
-    return build_plan(facts, saved)
+    facts, solution = _decide(joint_gm, num_fwd_outputs, static_lifetime_input_indices, config)
+    return _plan(facts, list(solution.saved), solution, config)
 
 
 def partition(
@@ -52,11 +54,12 @@ def partition(
     *,
     num_fwd_outputs: int,
     static_lifetime_input_indices: list[int] | None = None,
+    config: Config = Config(),
 ) -> Partition:
     """Plan, then build the forward and backward modules from the plan."""
-    facts, saved = _decide(joint_gm, num_fwd_outputs, static_lifetime_input_indices)
+    facts, solution = _decide(joint_gm, num_fwd_outputs, static_lifetime_input_indices, config)
     order = {node: i for i, node in enumerate(joint_gm.graph.nodes)}
-    saved = sorted(saved, key=order.__getitem__)
+    saved = sorted(solution.saved, key=order.__getitem__)
     # AOTAutograd passes tensors, SymInts and opaque handles to backward
     # through separate slots.
     values, sym, opaque = [], [], []
@@ -71,10 +74,10 @@ def partition(
         num_fwd_outputs=num_fwd_outputs,
         static_lifetime_input_nodes=facts.static_inputs,
     )
-    return Partition(fwd, bwd, build_plan(facts, saved), facts)
+    return Partition(fwd, bwd, _plan(facts, saved, solution, config), facts)
 
 
-def _decide(joint_gm, num_fwd_outputs, static_lifetime_input_indices):
+def _decide(joint_gm, num_fwd_outputs, static_lifetime_input_indices, config: Config):
     joint_gm.graph.eliminate_dead_code()
     compat.cse(joint_gm)
     facts = classify(
@@ -82,7 +85,15 @@ def _decide(joint_gm, num_fwd_outputs, static_lifetime_input_indices):
         num_fwd_outputs=num_fwd_outputs,
         static_lifetime_input_indices=static_lifetime_input_indices,
     )
-    return facts, solve(build_flow_graph(facts))
+    profile = profile_for(joint_gm.graph, config.device_profile)
+    return facts, solve_with_budget(facts, config.memory_budget, profile)
+
+
+def _plan(facts, saved, solution, config: Config) -> Plan:
+    plan = build_plan(facts, saved, solution)
+    if config.memory_budget is None:
+        return plan
+    return dataclasses.replace(plan, budget=str(config.memory_budget))
 
 
 class CkptPartitioner(compat.CustomPartitionerFn):
@@ -111,6 +122,7 @@ class CkptPartitioner(compat.CustomPartitionerFn):
                 joint_gm,
                 num_fwd_outputs=kwargs["num_fwd_outputs"],
                 static_lifetime_input_indices=kwargs.get("static_lifetime_input_indices"),
+                config=self.config,
             )
             fwd, bwd, plan = result.forward, result.backward, result.plan
         except Exception as error:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import torch.fx as fx
 
@@ -9,6 +10,9 @@ from passes.canonical import op_label
 
 from .classify import GraphFacts, NodeFacts, user_wants_recompute
 from .ops import Recompute
+
+if TYPE_CHECKING:
+    from .budget import BudgetSolution
 
 SAVED = "saved"
 RECOMPUTED = "recomputed"
@@ -41,6 +45,19 @@ class Plan:
     fingerprint: str | None = None
     """Digest of the decisions by canonical name, set when ranks of a process
     group compared their plans (it is then the same on every rank)."""
+    budget: str | None = None
+    """The memory budget asked for, as written (None: runtime-optimal)."""
+    budget_bytes: int | None = None
+    """The budget in bytes for this graph (a fraction resolved)."""
+    optimal_bytes: int = 0
+    """Saved bytes of the runtime-optimal plan for this graph."""
+    fits_budget: bool = True
+    estimated_peak_bytes: int = 0
+    """Backward peak by an unfused liveness walk (partitioners/liveness.py)."""
+    recompute_time_s: float = 0.0
+    """Estimated time of heavy ops recomputed to fit the budget."""
+    solve_time_s: float = 0.0
+    """Wall time of the decision (min cuts and budget search)."""
 
     @property
     def saved(self) -> tuple[str, ...]:
@@ -57,16 +74,22 @@ class Plan:
         raise KeyError(f"{name} is neither saved nor recomputed in this plan")
 
 
-def build_plan(facts: GraphFacts, saved: list[fx.Node]) -> Plan:
+def build_plan(facts: GraphFacts, saved: list[fx.Node], solution: BudgetSolution | None = None) -> Plan:
     """Decisions for every saved value and every forward node backward re-runs."""
     saved_set = set(saved)
-    recomputed = _recomputed_nodes(facts, saved_set)
+    recomputed = recomputed_nodes(facts, saved_set)
+    boundaries = solution.boundaries if solution else frozenset()
+    priced = solution.priced_recomputed if solution else frozenset()
     decisions = []
     for node, node_facts in facts.nodes.items():  # graph order
         if node in saved_set:
             decision, reason = SAVED, _save_reason(node, node_facts, facts)
+            if node in boundaries:
+                reason = "saved: segment boundary, so backward recomputes one segment at a time"
         elif node in recomputed:
             decision, reason = RECOMPUTED, _recompute_reason(node_facts)
+            if node in priced:
+                reason = f"recomputed: {node_facts.category.label}, to fit the memory budget"
         else:
             continue
         decisions.append(
@@ -79,7 +102,18 @@ def build_plan(facts: GraphFacts, saved: list[fx.Node]) -> Plan:
                 is_input=node_facts.storage_root in facts.inputs,
             )
         )
-    return Plan(decisions=tuple(decisions), saved_activation_bytes=activation_bytes(facts, saved))
+    plan = Plan(decisions=tuple(decisions), saved_activation_bytes=activation_bytes(facts, saved))
+    if solution is None:
+        return plan
+    return dataclasses.replace(
+        plan,
+        budget_bytes=solution.target_bytes,
+        optimal_bytes=solution.optimal_bytes,
+        fits_budget=solution.fits,
+        estimated_peak_bytes=solution.estimated_peak_bytes,
+        recompute_time_s=solution.recompute_time_s,
+        solve_time_s=solution.solve_time_s,
+    )
 
 
 def activation_bytes(facts: GraphFacts, saved) -> int:
@@ -88,7 +122,7 @@ def activation_bytes(facts: GraphFacts, saved) -> int:
     return sum(facts.nodes[root].nbytes for root in storages)
 
 
-def _recomputed_nodes(facts: GraphFacts, saved: set[fx.Node]) -> set[fx.Node]:
+def recomputed_nodes(facts: GraphFacts, saved: set[fx.Node]) -> set[fx.Node]:
     """Forward nodes backward needs that are not saved: backward re-runs them."""
     needed: set[fx.Node] = set()
     stack = [

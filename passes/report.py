@@ -15,8 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.fx as fx
 
-from partitioners.cost import node_bytes
-from partitioners.ops import OpCategory, is_view_op
+from partitioners.ops import OpCategory
 from partitioners.plan import RECOMPUTED, SAVED, Plan, activation_bytes
 
 from .canonical import canonical_names, op_label, shape_of, structure_digest
@@ -91,8 +90,12 @@ def build_report(result: Partition | None, plan: Plan, pytorch: PyTorchDecisions
             "ckpt_recompute_bytes_written": sum(
                 facts.nodes[n].nbytes for n in recomputed if _allocates(facts.nodes[n].category)
             ),
-            "budget": None,
-            "estimated_backward_peak_bytes": estimate_backward_peak(result.backward, facts),
+            "budget": plan.budget,
+            "budget_bytes": plan.budget_bytes if plan.budget else None,
+            "optimal_saved_bytes": plan.optimal_bytes,
+            "fits_budget": plan.fits_budget,
+            "estimated_budget_recompute_us": round(plan.recompute_time_s * 1e6, 1),
+            "estimated_backward_peak_bytes": plan.estimated_peak_bytes,
         },
         "ledger": {
             "parameters_bytes": sum(facts.nodes[n].nbytes for n in facts.static_inputs),
@@ -106,37 +109,6 @@ def build_report(result: Partition | None, plan: Plan, pytorch: PyTorchDecisions
     # graph under two settings share it and can be diffed.
     report["graph"] = structure_digest(facts.nodes, names)
     return report
-
-
-def estimate_backward_peak(backward: fx.GraphModule, facts) -> int:
-    """Peak bytes live while the backward graph runs, op by op without fusion
-    (an upper bound: Inductor's fused kernels never materialize some values).
-
-    Saved activations and tangents are live from the start; each non-view
-    value is allocated when computed and freed after its storage's last use.
-    Parameters saved for backward are not counted (they live anyway).
-    """
-    static_names = {n.name for n in facts.static_inputs}
-    nodes = list(backward.graph.nodes)
-    root: dict[fx.Node, fx.Node] = {}
-    last_use: dict[fx.Node, int] = {}
-    for index, node in enumerate(nodes):
-        aliases = node.op == "call_function" and is_view_op(node.target)
-        root[node] = root[node.args[0]] if aliases else node
-        for arg in node.all_input_nodes:
-            last_use[root[arg]] = index
-    live = peak = 0
-    for index, node in enumerate(nodes):
-        if root[node] is node and node.name not in static_names:
-            live += node_bytes(node)
-            peak = max(peak, live)
-        for arg in node.all_input_nodes:
-            owner = root[arg]
-            if last_use.get(owner) == index and owner.op != "output" and node.op != "output":
-                if owner.name not in static_names:
-                    live -= node_bytes(owner)
-                last_use.pop(owner)
-    return peak
 
 
 def render_markdown(report: dict) -> str:
@@ -153,8 +125,8 @@ def render_markdown(report: dict) -> str:
         f"| ops recomputed in backward | {totals['ckpt_recomputed_ops']} | {totals['pytorch_recomputed_ops']} |",
         "",
         f"- recompute writes {_size(totals['ckpt_recompute_bytes_written'])} (outputs of recomputed non-view ops, before fusion)",
-        "- memory budget: none set",
-        f"- estimated backward peak: {_size(totals['estimated_backward_peak_bytes'])} (unfused liveness walk, an upper bound)",
+        f"- memory budget: {_budget_line(totals)}",
+        f"- estimated backward peak: {_size(totals['estimated_backward_peak_bytes'])} (liveness walk, pointwise chains fused)",
         "",
         "## Values backward needs",
         "",
@@ -188,6 +160,18 @@ def write_report(report: dict, folder: str | pathlib.Path) -> pathlib.Path:
     path.write_text(json.dumps(report, indent=1, sort_keys=True) + "\n")
     path.with_suffix(".md").write_text(render_markdown(report))
     return path
+
+
+def _budget_line(totals: dict) -> str:
+    if not totals["budget"]:
+        return f"none set (runtime-optimal plan, {_size(totals['optimal_saved_bytes'])})"
+    verdict = "fits" if totals["fits_budget"] else "does not fit: smallest plan used"
+    asked = "" if totals["budget"].endswith("bytes") else f" ({totals['budget']})"
+    return (
+        f"{_size(totals['budget_bytes'])}{asked}, {verdict}; runtime-optimal saves "
+        f"{_size(totals['optimal_saved_bytes'])}; heavy ops recomputed for it: "
+        f"{totals['estimated_budget_recompute_us']} us (cost model)"
+    )
 
 
 def _size(nbytes: int) -> str:

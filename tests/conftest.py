@@ -4,6 +4,7 @@ import torch._dynamo
 import torch.compiler.config
 from functorch.compile import aot_function, nop
 
+from partitioners.config import Config
 from partitioners.partition import partition
 
 
@@ -18,13 +19,19 @@ def _fresh_compiles():
     torch._dynamo.reset()
 
 
-def aot_plan(fn, *args, tag=None):
+def aot_plan(fn, *args, tag=None, config=Config()):
     """Trace ``fn`` with AOTAutograd, partition with ckpt (no Inductor codegen),
     run forward and backward; return (plan, output).
 
     ``tag(joint_gm)`` may edit node metadata first, as a checkpoint region would.
     """
-    plans = []
+    result, out = aot_partition(fn, *args, tag=tag, config=config)
+    return result.plan, out
+
+
+def aot_partition(fn, *args, tag=None, config=Config()):
+    """As aot_plan, returning the whole Partition (graphs, plan, facts)."""
+    results = []
 
     def partition_fn(joint_gm, joint_inputs, **kwargs):
         if tag is not None:
@@ -33,15 +40,16 @@ def aot_plan(fn, *args, tag=None):
             joint_gm,
             num_fwd_outputs=kwargs["num_fwd_outputs"],
             static_lifetime_input_indices=kwargs.get("static_lifetime_input_indices"),
+            config=config,
         )
-        plans.append(result.plan)
+        results.append(result)
         return result.forward, result.backward
 
     compiled = aot_function(fn, fw_compiler=nop, bw_compiler=nop, partition_fn=partition_fn)
     out = compiled(*args)
     out.sum().backward()
-    (plan,) = plans
-    return plan, out
+    (result,) = results
+    return result, out
 
 
 def node_named(gm, name):

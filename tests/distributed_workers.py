@@ -163,14 +163,14 @@ def _treat_erf_as_compute_heavy():
     ops.COMPUTE_OPS = ops.COMPUTE_OPS | {torch.ops.aten.erf.default}
 
 
-def _failing_solve(flow):
+def _failing_solve(*args):
     raise RuntimeError("injected failure")
 
 
 def _make_partitioning_fail():
     import partitioners.partition as partition_module
 
-    partition_module.solve = _failing_solve
+    partition_module.solve_with_budget = _failing_solve
 
 
 def mismatch(rank, world, port, out):

@@ -28,7 +28,7 @@ def test_unknown_variable_warns_with_the_known_ones():
 def test_make_backend_overrides_and_rejects_unknown_fields():
     assert make_backend(strict=True).config.strict is True
     assert make_backend(Config(strict=True)).config == Config(strict=True)
-    with pytest.raises(ConfigError, match=r"unknown ckpt setting\(s\) \['budget'\]; valid settings: \['report_dir', 'strict'\]"):
+    with pytest.raises(ConfigError, match=r"unknown ckpt setting\(s\) \['budget'\]; valid settings: \['device_profile', 'memory_budget', 'report_dir', 'strict'\]"):
         make_backend(budget=0.5)
 
 
@@ -43,12 +43,12 @@ def test_cache_key_covers_the_config():
     assert CkptPartitioner(Config()).uuid() == CkptPartitioner(Config()).uuid()
 
 
-def _failing_solve(flow):
+def _failing_solve(*args):
     raise PartitionError("injected failure")
 
 
 def test_failure_falls_back_to_pytorch_partitioner_with_a_warning(monkeypatch, tmp_path):
-    monkeypatch.setattr(partition_module, "solve", _failing_solve)
+    monkeypatch.setattr(partition_module, "solve_with_budget", _failing_solve)
     partition_module._warned.clear()
     model, x = MLP(depth=2, width=16), torch.randn(8, 16)
     backend = make_backend(strict=False, report_dir=str(tmp_path))
@@ -69,7 +69,7 @@ def test_failure_falls_back_to_pytorch_partitioner_with_a_warning(monkeypatch, t
 
 
 def test_strict_mode_raises_the_partitioner_error(monkeypatch):
-    monkeypatch.setattr(partition_module, "solve", _failing_solve)
+    monkeypatch.setattr(partition_module, "solve_with_budget", _failing_solve)
     compiled = torch.compile(MLP(depth=1, width=8), backend=make_backend(strict=True))
     with pytest.raises(Exception, match="injected failure"):
         compiled(torch.randn(4, 8))

@@ -49,6 +49,16 @@ def test_golden_mlp(ckpt_golden):
     ckpt_golden("mlp", MLP(depth=2, width=16), torch.randn(8, 16))
 
 
+def test_golden_mlp_under_a_byte_budget(ckpt_golden):
+    """Half the runtime-optimal bytes: matmuls recomputed, the reasons say why."""
+    torch.manual_seed(0)
+    text = ckpt_golden(
+        "mlp_budget", MLP(depth=3, width=16), torch.randn(32, 16), config=Config(memory_budget="3KiB")
+    )
+    assert "memory budget: 0.00 MiB (3072 bytes), fits" in text
+    assert "recomputed: compute-heavy op, to fit the memory budget" in text
+
+
 def test_golden_gpt_with_dropout(gpt_run, request):
     _, report, _ = gpt_run
     golden = request.path.parent / "goldens" / "gpt_dropout.md"

@@ -1,0 +1,304 @@
+"""The memory-budget solver: the least estimated recompute time whose saved
+bytes fit the budget, with recomputation kept segment by segment.
+
+Two knobs shape a plan, each searched with the minimum cut of mincut.py:
+
+- Segment boundaries. A *spine value* is a forward activation that alone
+  carries everything later layers need (after it, no other activation is
+  still waiting for a forward user): the residual stream between blocks.
+  Saving some of them splits the forward into segments, and backward then
+  recomputes one segment at a time instead of re-running the whole forward
+  at its start with every result alive at once. The count of boundaries is
+  picked by the estimated backward peak (liveness.py), so that the plan
+  family the budget moves along is the one with the lowest peak.
+- A price on recomputing heavy ops (matmuls, attention, shrinking
+  reductions): ``rate x estimated runtime`` in bytes. The cut then minimizes
+  ``saved bytes + rate x recompute time``; a lower rate recomputes more and
+  saves less (a Lagrangian relaxation of "least time within the bytes"), so
+  a binary search on the rate finds the fastest plan that fits.
+
+When even the smallest plan of that family is over the budget, fewer
+boundaries are tried; when nothing fits, the smallest plan is used with a
+warning.
+"""
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import time
+import warnings
+
+import torch
+import torch.fx as fx
+
+from .classify import GraphFacts
+from .config import MemoryBudget
+from .cost import DeviceProfile, estimate_runtime_s
+from .liveness import estimate_backward_peak
+from .mincut import build_flow_graph, byte_scale, solve
+from .ops import OpCategory
+from .plan import activation_bytes, recomputed_nodes
+
+# Heavy ops a budget may recompute. UNKNOWN ops stay saved: nothing says
+# replaying them is safe.
+PRICED_CATEGORIES = frozenset({OpCategory.COMPUTE, OpCategory.SHRINKING_REDUCTION})
+
+# Rates sit this far above a breakpoint (any factor > 1 below the next
+# breakpoint would do; 1/1024 is far below the gaps between op ratios).
+TIE_TO_SAVING = 1 + 2**-10
+
+# Boundary counts tried: the spine count halved until one (a handful of cuts).
+HALVING = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class BudgetSolution:
+    """What the solver chose, and what it cost to choose it."""
+
+    saved: tuple[fx.Node, ...]
+    target_bytes: int
+    saved_bytes: int
+    optimal_bytes: int
+    """Saved bytes of the runtime-optimal plan (what fraction budgets scale)."""
+    boundaries: frozenset[fx.Node] = frozenset()
+    """Spine values saved as segment boundaries."""
+    priced_recomputed: frozenset[fx.Node] = frozenset()
+    """Heavy ops recomputed because of the budget."""
+    estimated_peak_bytes: int = 0
+    recompute_time_s: float = 0.0
+    """Estimated runtime of the heavy ops recomputed because of the budget."""
+    fits: bool = True
+    cuts: int = 1
+    solve_time_s: float = 0.0
+
+
+def solve_with_budget(
+    facts: GraphFacts, budget: MemoryBudget | None, profile: DeviceProfile
+) -> BudgetSolution:
+    """The saved set for ``budget`` (None: the runtime-optimal one).
+
+    A byte budget is a hard limit. A fraction never goes below the plan of
+    lowest estimated peak: saving less than that plan would only raise the
+    peak (the non-monotone budget PyTorch users report).
+    """
+    start = time.perf_counter()
+    saved = solve(build_flow_graph(facts))
+    optimal = BudgetSolution(
+        saved=tuple(saved),
+        target_bytes=0,
+        saved_bytes=activation_bytes(facts, saved),
+        optimal_bytes=0,
+        estimated_peak_bytes=estimate_backward_peak(facts, saved),
+    )
+    target = _target_bytes(budget, optimal.saved_bytes)
+    search = _Search(facts, profile)
+    if target < optimal.saved_bytes and budget.fraction is not None:
+        target = max(target, search.lowest_peak(optimal).saved_bytes)
+    if target >= optimal.saved_bytes:
+        solution = optimal
+    else:
+        solution = search.fastest_within(target)
+    if not solution.fits:
+        warnings.warn(
+            f"ckpt: memory budget {budget} ({target} bytes) is below the smallest plan "
+            f"this graph allows ({solution.saved_bytes} bytes); using that plan",
+            stacklevel=2,
+        )
+    return dataclasses.replace(
+        solution,
+        target_bytes=target,
+        optimal_bytes=optimal.saved_bytes,
+        cuts=search.cuts + 1,
+        solve_time_s=time.perf_counter() - start,
+    )
+
+
+def _target_bytes(budget: MemoryBudget | None, optimal_bytes: int) -> int:
+    if budget is None:
+        return optimal_bytes
+    if budget.nbytes is not None:
+        return budget.nbytes
+    return int(budget.fraction * optimal_bytes)
+
+
+def spine_values(facts: GraphFacts) -> list[fx.Node]:
+    """Forward activations that are, when computed, the only activation still
+    waiting for a forward user (in graph order)."""
+    activations = _activations(facts)
+    waiting: dict[fx.Node, int] = {}
+    spine = []
+    for node in facts.nodes:
+        if node not in activations:
+            continue
+        for arg in set(node.all_input_nodes) & activations:
+            waiting[arg] -= 1
+            if waiting[arg] == 0:
+                del waiting[arg]
+        users = sum(1 for user in node.users if user in activations)
+        if users:
+            waiting[node] = users
+        if (
+            list(waiting) == [node]
+            and facts.nodes[node].savable
+            and facts.nodes[node].storage_root is node
+            and isinstance(node.meta.get("val"), torch.Tensor)
+        ):
+            spine.append(node)
+    return spine
+
+
+def _activations(facts: GraphFacts) -> set[fx.Node]:
+    """Tensor-valued forward nodes that depend on a non-parameter input."""
+    batch_inputs = facts.inputs - facts.static_inputs
+    activations: set[fx.Node] = set()
+    for node in facts.nodes:
+        if node not in facts.forward or isinstance(node.meta.get("val"), torch.SymInt):
+            continue
+        # Inputs and their views are held by the caller anyway (labels waiting
+        # for the loss are not a reason against a boundary).
+        if facts.nodes[node].storage_root in facts.inputs:
+            continue
+        if any(a in activations or a in batch_inputs for a in node.all_input_nodes):
+            activations.add(node)
+    return activations
+
+
+def pick_boundaries(facts: GraphFacts, spine: list[fx.Node], count: int) -> list[fx.Node]:
+    """``count`` spine values splitting the forward into segments of about
+    equal activation bytes; near each split point, the smallest value."""
+    if count <= 0 or not spine:
+        return []
+    cumulative, total = {}, 0
+    for node, node_facts in facts.nodes.items():
+        if node in facts.forward:
+            total += node_facts.nbytes
+            cumulative[node] = total
+    positions = [cumulative[node] for node in spine]
+    segment = total / (count + 1)
+    chosen = []
+    for i in range(1, count + 1):
+        centre = segment * i
+        low = bisect.bisect_left(positions, centre - segment / 2)
+        high = bisect.bisect_left(positions, centre + segment / 2)
+        window = range(low, high) if high > low else [min(low, len(spine) - 1)]
+        best = min(window, key=lambda j: (facts.nodes[spine[j]].nbytes, abs(positions[j] - centre)))
+        if spine[best] not in chosen:
+            chosen.append(spine[best])
+    return chosen
+
+
+class _Search:
+    """Min cuts over boundary counts and recompute rates, counted."""
+
+    def __init__(self, facts: GraphFacts, profile: DeviceProfile):
+        self.facts = facts
+        self.cuts = 0
+        self._families: list[BudgetSolution] | None = None
+        self.spine = spine_values(facts)
+        self.runtime = {
+            node: estimate_runtime_s(node, profile)
+            for node, node_facts in facts.nodes.items()
+            if node in facts.forward and node_facts.category in PRICED_CATEGORIES
+        }
+        # The rates at which a heavy op's price equals its bytes, nudged up
+        # so that ties go to saving: between two of them the cut does not
+        # change for lone ops, so these are the rates worth trying.
+        self.rates = sorted(
+            {
+                facts.nodes[node].nbytes / seconds * TIE_TO_SAVING
+                for node, seconds in self.runtime.items()
+                if seconds > 0
+            }
+        )
+
+    def families(self) -> list[BudgetSolution]:
+        """Per boundary count, the plan recomputing every heavy op it may."""
+        if self._families is None:
+            self._families = [
+                self._cut(pick_boundaries(self.facts, self.spine, count), rate=0.0)
+                for count in self._boundary_counts()
+            ]
+        return self._families
+
+    def lowest_peak(self, optimal: BudgetSolution) -> BudgetSolution:
+        """The plan of lowest estimated peak: the runtime-optimal one or a family."""
+        return min([optimal, *self.families()], key=lambda s: (s.estimated_peak_bytes, s.saved_bytes))
+
+    def fastest_within(self, target: int) -> BudgetSolution:
+        """Lowest-peak boundary family first; fewer boundaries if it cannot fit."""
+        families = self.families()
+        lowest_peak = min(families, key=lambda s: (s.estimated_peak_bytes, s.saved_bytes))
+        for family in [lowest_peak] + [f for f in families if f is not lowest_peak]:
+            if family.saved_bytes <= target:
+                return self._fastest_rate(family.boundaries, target, family)
+        return dataclasses.replace(min(families, key=lambda s: s.saved_bytes), fits=False)
+
+    def _boundary_counts(self) -> list[int]:
+        counts, count = [], len(self.spine)
+        while count > 0:
+            counts.append(count)
+            count //= HALVING
+        return counts + [0]
+
+    def _fastest_rate(self, boundaries, target, cheapest: BudgetSolution) -> BudgetSolution:
+        """Binary search on the rate: the highest (least recompute) that fits,
+        then on how many of the ops the next rate would save can be saved."""
+        best, best_rate, over = cheapest, 0.0, None
+        low, high = 0, len(self.rates) - 1
+        while low <= high:
+            middle = (low + high) // 2
+            solution = self._cut(boundaries, rate=self.rates[middle])
+            if solution.saved_bytes <= target:
+                best, best_rate, low = solution, self.rates[middle], middle + 1
+            else:
+                over, high = solution, middle - 1
+        if over is None:
+            return best
+        # Ops of equal bytes per second (the same layer repeated) flip
+        # together at one rate: save as many of them as fit. Which ones moves
+        # the peak (saved values are alive at the start of backward, weight
+        # gradients pile up towards its end), so both ends are tried.
+        order = {node: i for i, node in enumerate(self.facts.nodes)}
+        flips = sorted(best.priced_recomputed - over.priced_recomputed, key=order.__getitem__)
+        candidates = [
+            self._most_saved_that_fit(boundaries, best_rate, target, keep_order)
+            for keep_order in (flips, flips[::-1])
+        ]
+        return min(candidates, key=lambda s: (s.estimated_peak_bytes, s.recompute_time_s))
+
+    def _most_saved_that_fit(self, boundaries, rate, target, keep_order) -> BudgetSolution:
+        """The longest prefix of ``keep_order`` that can stay saved within ``target``."""
+        best = None
+        low, high = 1, len(keep_order)
+        while low <= high:
+            middle = (low + high) // 2
+            solution = self._cut(boundaries, rate, keep=keep_order[:middle])
+            if solution.saved_bytes <= target:
+                best, low = solution, middle + 1
+            else:
+                high = middle - 1
+        return best or self._cut(boundaries, rate, keep=())
+
+    def _cut(self, boundaries, rate: float, keep=()) -> BudgetSolution:
+        """The min cut at ``rate``; ``keep`` are heavy ops not to recompute."""
+        self.cuts += 1
+        scale = byte_scale(self.facts)
+        keep = set(keep)
+        price = {
+            node: round(rate * seconds * scale)
+            for node, seconds in self.runtime.items()
+            if node not in keep
+        }
+        saved = solve(build_flow_graph(self.facts, price, boundaries))
+        recomputed = frozenset(recomputed_nodes(self.facts, set(saved)) & self.runtime.keys())
+        return BudgetSolution(
+            saved=tuple(saved),
+            target_bytes=0,
+            saved_bytes=activation_bytes(self.facts, saved),
+            optimal_bytes=0,
+            boundaries=frozenset(boundaries),
+            priced_recomputed=recomputed,
+            estimated_peak_bytes=estimate_backward_peak(self.facts, saved),
+            recompute_time_s=sum(self.runtime[node] for node in recomputed),
+        )
+

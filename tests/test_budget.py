@@ -1,0 +1,251 @@
+"""The memory budget: parsing, the solver on tiny graphs (no Inductor), and
+gradients at tight budgets through Inductor."""
+import copy
+import functools
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import aot_plan
+from functorch.compile import aot_function, default_partition, nop
+
+from bench.models import GPT, MLP, GPTConfig, gpt_batch
+from ckpt import ConfigError, MemoryBudget, make_backend
+from partitioners.budget import pick_boundaries, spine_values
+from partitioners.config import Config
+from partitioners.cost import DEVICE_PROFILES, estimate_runtime_s
+from partitioners.liveness import backward_schedule, estimate_backward_peak
+from partitioners.partition import partition
+
+KiB = 2**10
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("0.5", MemoryBudget(fraction=0.5)),
+        ("1", MemoryBudget(fraction=1.0)),
+        ("0", MemoryBudget(fraction=0.0)),
+        ("512MiB", MemoryBudget(nbytes=512 * 2**20)),
+        ("2GB", MemoryBudget(nbytes=2 * 10**9)),
+        ("1.5e9", MemoryBudget(nbytes=1_500_000_000)),
+        (" 64 kib ", MemoryBudget(nbytes=64 * KiB)),
+        (0.25, MemoryBudget(fraction=0.25)),
+        (4096, MemoryBudget(nbytes=4096)),
+    ],
+)
+def test_budget_forms(text, expected):
+    assert MemoryBudget.parse(text) == expected
+    assert Config(memory_budget=text).memory_budget == expected
+
+
+@pytest.mark.parametrize("bad", ["half", "-0.5", "12 parsecs", "nan", "inf", "", "1e", True, [1]])
+def test_bad_budget_names_the_accepted_forms(bad):
+    with pytest.raises(ConfigError, match=r"is not a memory budget; use a fraction 0.0..1.0 .* 512MiB, 2GB, 1.5e9"):
+        Config(memory_budget=bad)
+
+
+def test_budget_from_environment_names_the_variable():
+    assert Config.from_env({"CKPT_MEMORY_BUDGET": "3MiB"}).memory_budget == MemoryBudget(nbytes=3 * 2**20)
+    assert Config.from_env({"CKPT_MEMORY_BUDGET": ""}).memory_budget is None
+    with pytest.raises(ConfigError, match="CKPT_MEMORY_BUDGET='lots'"):
+        Config.from_env({"CKPT_MEMORY_BUDGET": "lots"})
+    with pytest.raises(ConfigError, match="device_profile='tpu' is unknown; use one of cpu, h100, h200"):
+        Config(device_profile="tpu")
+
+
+def leaf(*shape):
+    return torch.randn(*shape, requires_grad=True)
+
+
+def three_layers(x, w1, w2, w3):
+    a = torch.tanh(x @ w1)
+    b = torch.tanh(a @ w2)
+    return torch.tanh(b @ w3)
+
+
+def _three_layer_args():
+    torch.manual_seed(0)
+    return leaf(64, 32), leaf(32, 32), leaf(32, 32), leaf(32, 32)
+
+
+def test_exact_saved_sets_as_the_budget_tightens():
+    args = _three_layer_args()
+    # Runtime-optimal: every tanh output (its backward reads it), 3 x 8 KiB.
+    plan, _ = aot_plan(three_layers, *args)
+    assert [n for n in plan.saved if not n.startswith("primals")] == ["tanh", "tanh_1", "tanh_2"]
+    assert plan.saved_activation_bytes == 24 * KiB
+    # 12 KiB fits one of them: the first layer's, and the rest is recomputed
+    # from it, matmuls included.
+    plan, _ = aot_plan(three_layers, *args, config=Config(memory_budget="12KiB"))
+    assert [n for n in plan.saved if not n.startswith("primals")] == ["tanh"]
+    assert plan.recomputed == ("mm_1", "tanh_1", "mm_2", "tanh_2")
+    assert "to fit the memory budget" in plan.reason("mm_1")
+    assert plan.budget_bytes == 12 * KiB and plan.fits_budget
+    # Nothing but the inputs.
+    plan, _ = aot_plan(three_layers, *args, config=Config(memory_budget=0.0))
+    assert plan.saved_activation_bytes == 0
+    assert plan.recomputed == ("mm", "tanh", "mm_1", "tanh_1", "mm_2", "tanh_2")
+
+
+def test_fraction_one_is_the_runtime_optimal_plan():
+    args = _three_layer_args()
+    default, _ = aot_plan(three_layers, *args)
+    full, _ = aot_plan(three_layers, *args, config=Config(memory_budget=1.0))
+    assert full.decisions == default.decisions
+    assert full.budget_bytes == full.optimal_bytes == default.saved_activation_bytes
+
+
+def test_gradients_match_eager_at_every_budget():
+    args = _three_layer_args()
+    expected = torch.autograd.grad(three_layers(*args).sum(), args)
+    for budget in (None, "16KiB", "8KiB", 0.0):
+        for a in args:
+            a.grad = None
+        plan, out = aot_plan(three_layers, *args, config=Config(memory_budget=budget))
+        for a, g in zip(args, expected):
+            torch.testing.assert_close(a.grad, g, rtol=0, atol=1e-6)
+
+
+def test_byte_budget_below_the_smallest_plan_warns_and_uses_it():
+    x = leaf(64, 32)
+    # A random op must be saved (it cannot be replayed): 8 KiB is the floor.
+    fn = lambda x: F.dropout(torch.sin(x), p=0.5, training=True) * x  # noqa: E731
+    with pytest.warns(UserWarning, match=r"memory budget 1 bytes \(1 bytes\) is below the smallest plan"):
+        plan, _ = aot_plan(fn, x, config=Config(memory_budget="1B"))
+    assert not plan.fits_budget
+    assert plan.saved_activation_bytes > 1
+
+
+@functools.lru_cache(maxsize=None)
+def _gpt_joint_graph(depth: int):
+    """The joint graph of a small GPT, traced once per depth."""
+    cfg = GPTConfig(depth=depth, width=32, heads=2, seq=64, vocab=64)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    params = dict(model.named_parameters())
+    tokens, targets = gpt_batch(cfg, batch=4)
+    captured = []
+
+    def capture(joint_gm, joint_inputs, **kwargs):
+        captured.append((copy.deepcopy(joint_gm), kwargs))
+        return default_partition(joint_gm, joint_inputs, **kwargs)
+
+    def loss(tokens, targets, *values):
+        return torch.func.functional_call(model, dict(zip(params, values)), (tokens, targets))
+
+    aot_function(loss, fw_compiler=nop, bw_compiler=nop, partition_fn=capture)(
+        tokens, targets, *params.values()
+    ).backward()
+    return captured[0]
+
+
+def _gpt_partition(depth=4, budget=None):
+    joint_gm, kwargs = _gpt_joint_graph(depth)
+    return partition(
+        copy.deepcopy(joint_gm),
+        num_fwd_outputs=kwargs["num_fwd_outputs"],
+        config=Config(memory_budget=budget),
+    )
+
+
+def test_spine_is_the_residual_stream_between_sublayers():
+    facts = _gpt_partition(depth=3).facts
+    spine = spine_values(facts)
+    names = [n.name for n in spine]
+    # embedding sum, then after attention and after MLP in each block
+    residual_adds = [n for n in names if n.startswith("add")]
+    assert len(residual_adds) == 1 + 2 * 3, names
+    nbytes = {facts.nodes[n].nbytes for n in spine if n.name in residual_adds}
+    assert nbytes == {4 * 64 * 32 * 4}
+    boundaries = pick_boundaries(facts, spine, 3)
+    assert len(boundaries) == 3 and all(b in spine for b in boundaries)
+    assert pick_boundaries(facts, spine, 0) == []
+
+
+def test_byte_budgets_are_honored_and_cost_more_recompute_as_they_tighten():
+    optimal = _gpt_partition().plan
+    assert optimal.recompute_time_s == 0
+    previous_bytes, previous_time = optimal.saved_activation_bytes, 0.0
+    for fraction in (0.8, 0.5, 0.3, 0.1):
+        budget = int(optimal.saved_activation_bytes * fraction)
+        plan = _gpt_partition(budget=f"{budget}B").plan
+        assert plan.fits_budget and plan.saved_activation_bytes <= budget
+        assert plan.saved_activation_bytes <= previous_bytes
+        assert plan.recompute_time_s >= previous_time
+        previous_bytes, previous_time = plan.saved_activation_bytes, plan.recompute_time_s
+
+
+def test_fraction_budgets_stop_at_the_lowest_peak_plan():
+    plans = [_gpt_partition(budget=f).plan for f in (1.0, 0.5, 0.2, 0.0)]
+    peaks = [p.estimated_peak_bytes for p in plans]
+    assert peaks == sorted(peaks, reverse=True)
+    floor = plans[-1]
+    assert floor.saved_activation_bytes > 0  # the segment boundaries
+    assert floor.fits_budget
+    assert any("segment boundary" in d.reason for d in floor.decisions)
+
+
+def test_roofline_runtime_of_a_matmul_and_of_a_pointwise_op():
+    result = _gpt_partition(depth=1)
+    cpu = DEVICE_PROFILES["cpu"]
+    tokens = 4 * 64
+    qkv = next(n for n in result.facts.nodes if n.name.startswith("addmm"))  # tokens x 32 @ 32 x 96
+    assert estimate_runtime_s(qkv, cpu) == pytest.approx(2 * tokens * 32 * 96 / cpu.fp32_flops_per_s)
+    add = next(n for n in result.facts.nodes if n.name.startswith("add"))  # embed + pos
+    moved = (2 * tokens * 32 + 64 * 32) * 4  # both inputs read, the output written
+    assert estimate_runtime_s(add, cpu) == pytest.approx(moved / cpu.bytes_per_s)
+    sdpa = next(n for n in result.facts.nodes if "attention" in str(n.target))
+    # QK^T and PV: 2 * (2 flops x batch 4 x heads 2 x 64 x 64 x head dim 16)
+    assert estimate_runtime_s(sdpa, cpu) == pytest.approx(4 * 4 * 2 * 64 * 64 * 16 / cpu.fp32_flops_per_s)
+
+
+def test_liveness_walk_recomputes_just_before_first_use():
+    result = _gpt_partition(depth=2, budget=0.0)
+    facts = result.facts
+    saved = {n for n in facts.nodes if n.name in set(result.plan.saved)}
+    order = backward_schedule(facts, saved)
+    position = {n: i for i, n in enumerate(order)}
+    for node in order:
+        if node in facts.forward:  # recomputed: its first reader comes right after its inputs
+            first_reader = min(position[u] for u in node.users if u in position)
+            assert position[node] < first_reader
+    assert estimate_backward_peak(facts, saved) == result.plan.estimated_peak_bytes
+
+
+def test_mlp_gradients_match_eager_through_inductor_at_a_byte_budget():
+    torch.manual_seed(0)
+    model, x = MLP(depth=3, width=64), torch.randn(128, 64)
+    model(x).backward()
+    expected = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    backend = make_backend(memory_budget="64KiB")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.compile(model, backend=backend)(x).backward()
+    (plan,) = backend.plans
+    assert plan.fallback is None and plan.budget is not None
+    for p, g in zip(model.parameters(), expected):
+        torch.testing.assert_close(p.grad, g, rtol=1e-4, atol=1e-5)
+
+
+def test_dropout_gpt_at_a_tight_budget_matches_the_default_compile():
+    """Masks are replayed from the seed even when whole blocks are recomputed."""
+    cfg = GPTConfig(depth=1, width=32, heads=2, seq=16, vocab=64, dropout=0.2)
+    torch.manual_seed(0)
+    base = GPT(cfg)
+    batch = gpt_batch(cfg, batch=2)
+    grads, plans = [], None
+    for backend in ("inductor", make_backend(memory_budget=0.0)):
+        torch._dynamo.reset()
+        model = GPT(cfg)
+        model.load_state_dict(base.state_dict())
+        torch.manual_seed(1)
+        torch.compile(model, backend=backend)(*batch).backward()
+        grads.append([p.grad for p in model.parameters()])
+        plans = getattr(backend, "plans", plans)
+    assert plans[0].fallback is None
+    assert plans[0].saved_activation_bytes < plans[0].optimal_bytes
+    for got, want in zip(grads[1], grads[0]):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
