@@ -7,6 +7,7 @@ import copy
 import json
 import os
 import pathlib
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -63,19 +64,23 @@ def tensor_parallel(rank, world, port, out):
     _init(rank, world, port)
     mesh = init_device_mesh("cpu", (world,))
     cases = {
-        "mlp": (TPMLP, tp_mlp_plan(), (8, 16)),
+        "mlp": (TPMLP, tp_mlp_plan(), (8, 16), None),
         "attention": (TPAttention, {"q": ColwiseParallel(), "k": ColwiseParallel(),
-                                    "v": ColwiseParallel(), "o": RowwiseParallel()}, (2, 8, 32)),
+                                    "v": ColwiseParallel(), "o": RowwiseParallel()}, (2, 8, 32), None),
+        # The smallest plan each rank allows, from its local shard sizes.
+        "mlp-budget": (TPMLP, tp_mlp_plan(), (8, 16), "1B"),
     }
     result = {}
-    for name, (cls, plan, shape) in cases.items():
+    for name, (cls, plan, shape, budget) in cases.items():
         torch.manual_seed(0)
         reference, x = cls(), torch.randn(*shape)
         model = copy.deepcopy(reference)
         parallelize_module(model, mesh, plan)
-        backend = make_backend(strict=True)
+        backend = make_backend(strict=True, memory_budget=budget)
         torch._dynamo.reset()
-        loss = torch.compile(model, backend=backend)(x)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "below the smallest plan"
+            loss = torch.compile(model, backend=backend)(x)
         loss.backward()
         reference_loss = reference(x)
         reference_loss.backward()
@@ -88,6 +93,9 @@ def tensor_parallel(rank, world, port, out):
             "fingerprints": [p.fingerprint for p in backend.plans],
             "fallbacks": [p.fallback for p in backend.plans],
             "collectives": collectives,
+            "recomputed_matmuls": sum(
+                d.reason.endswith("to fit the memory budget") for p in backend.plans for d in p.decisions
+            ),
         }
     _write(out, "tp", rank, result)
     dist.destroy_process_group()

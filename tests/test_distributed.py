@@ -26,7 +26,7 @@ def _run(worker, tmp_path, name):
 
 def test_tensor_parallel_matches_single_process_eager(tmp_path):
     ranks = _run(workers.tensor_parallel, tmp_path, "tp")
-    for case in ("mlp", "attention"):
+    for case in ("mlp", "attention", "mlp-budget"):
         for result in ranks:
             r = result[case]
             assert r["fallbacks"] == [None] * len(r["fallbacks"])
@@ -37,6 +37,11 @@ def test_tensor_parallel_matches_single_process_eager(tmp_path):
         fingerprints = [result[case]["fingerprints"] for result in ranks]
         assert fingerprints[0] == fingerprints[1] and all(fingerprints[0])
     assert ranks[0]["mlp"]["collectives"], "the MLP's all-reduced value feeds backward"
+    # Under the tightest budget every rank recomputes its matmul shards, the
+    # same on both (fingerprints above), and still saves the collective.
+    assert ranks[0]["mlp"]["recomputed_matmuls"] == 0
+    assert ranks[0]["mlp-budget"]["recomputed_matmuls"] > 0
+    assert ranks[0]["mlp-budget"]["collectives"] == ranks[0]["mlp"]["collectives"]
     assert all(reason == "saved: collective, must not be replayed" for _, reason in ranks[0]["mlp"]["collectives"])
 
 
