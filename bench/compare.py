@@ -2,126 +2,52 @@
 
     python -m bench.compare --model gpt --repeats 10
 
-Every mode trains its own copy of the same initial model on the same batch.
-Peak memory and saved bytes come from one instrumented step each; step
-times from repeated steps with the modes interleaved, so machine drift hits
-all of them alike; medians and ratios are reported.
+A thin front end over bench.harness, at the sizes of shared/DESIGN.md: the
+same measurements as ``python -m bench`` (every mode on its own copy of the
+same initial model and batch; step times with the modes interleaved, medians
+and ratios reported), without the batch search and the files.
 """
 from __future__ import annotations
 
 import argparse
-import copy
-import dataclasses
-import statistics
-import time
 
 import torch
 
-from bench.measure import count_saved_bytes, max_grad_diff, peak_cpu_bytes, time_once_s
-from bench.models import GPT, MLP, GPTConfig, gpt_batch
-from ckpt import make_backend
+from bench.cases import Case, gpt_case
+from bench.harness import ModeResult, Settings, fresh_inductor_cache, run_case, warm_up_compiler
+from bench.models import MLP, GPTConfig, mlp_batch
+from bench.modes import parse_modes
 
 MODES = ("eager", "compile", "ckpt")
+MODELS = ("gpt", "gpt-dropout", "mlp")
 MiB = 2**20
 
 
-@dataclasses.dataclass
-class ModeResult:
-    mode: str
-    compile_s: float = 0.0
-    saved_bytes: int = 0
-    peak_bytes: int = 0
-    step_s: float = 0.0
-    max_grad_diff: float = 0.0
-    notes: str = ""
-
-
-MODELS = ("gpt", "gpt-dropout", "mlp")
-
-
-def build_model(name: str):
-    """The model and one batch of its inputs, at the sizes in shared/DESIGN.md."""
-    torch.manual_seed(0)
+def build_case(name: str) -> Case:
+    """The workload at the sizes in shared/DESIGN.md."""
     if name in ("gpt", "gpt-dropout"):
         dropout = 0.1 if name == "gpt-dropout" else 0.0
-        cfg = GPTConfig(depth=6, width=256, heads=8, seq=256, vocab=1024, dropout=dropout)
-        return GPT(cfg), gpt_batch(cfg, batch=4)
+        return gpt_case(GPTConfig(depth=6, width=256, heads=8, seq=256, vocab=1024, dropout=dropout), batch=4)
     if name == "mlp":
-        return MLP(depth=8, width=512), (torch.randn(1024, 512),)
+        return Case("mlp", "MLP, 8 x (Linear, LayerNorm, GELU), d=512",
+                    lambda: MLP(depth=8, width=512), lambda b: mlp_batch(b, 512), batch=1024)
     raise ValueError(f"unknown model {name!r}; choose one of: {', '.join(MODELS)}")
 
 
 def reference_mode(model_name: str) -> str:
-    """Whose gradients the others are compared with. With dropout, eager
-    draws other masks than Inductor, so torch.compile's default (same seed,
-    same masks) is the reference."""
-    return "compile" if "dropout" in model_name else "eager"
-
-
-def _reference_grads(model_name: str, base, args) -> list[torch.Tensor]:
-    torch._dynamo.reset()
-    model = copy.deepcopy(base)
-    fn, _ = _compiled(model, reference_mode(model_name))
-    torch.manual_seed(0)
-    fn(*args).backward()
-    return [p.grad for p in model.parameters()]
-
-
-def _compiled(model, mode: str):
-    """The callable for ``mode``, and the list where ckpt records its Plans."""
-    if mode == "eager":
-        return model, []
-    if mode == "compile":
-        return torch.compile(model), []
-    if mode == "ckpt":
-        backend = make_backend()
-        return torch.compile(model, backend=backend), backend.plans
-    raise ValueError(f"unknown mode {mode!r}; choose from {MODES}")
+    """Whose gradients the others are compared with (see Case.reference)."""
+    return build_case(model_name).reference
 
 
 def compare(model_name: str, modes=MODES, repeats: int = 10) -> list[ModeResult]:
-    base, args = build_model(model_name)
-    reference = _reference_grads(model_name, base, args)
-
-    steps, results = {}, {}
-    for mode in modes:
-        torch._dynamo.reset()
-        model = copy.deepcopy(base)
-        fn, plans = _compiled(model, mode)
-
-        def step(model=model, fn=fn):
-            model.zero_grad(set_to_none=True)
-            fn(*args).backward()
-
-        torch.manual_seed(0)  # same masks as the reference's first step
-        start = time.perf_counter()
-        step()  # compiles
-        result = ModeResult(mode, compile_s=time.perf_counter() - start)
-        result.max_grad_diff = max_grad_diff(model, reference)
-        if any(p.fallback for p in plans):
-            result.notes = "fell back to PyTorch's partitioner"
-        model.zero_grad(set_to_none=True)
-        with count_saved_bytes(list(model.parameters()) + list(args)) as saved:
-            loss = fn(*args)
-        loss.backward()
-        result.saved_bytes = saved["bytes"]
-        # Free the gradients first: the peak counts from parameters and inputs alone.
-        model.zero_grad(set_to_none=True)
-        result.peak_bytes = peak_cpu_bytes(step)
-        steps[mode], results[mode] = step, result
-
-    times = {mode: [] for mode in modes}
-    for _ in range(repeats):
-        for mode in modes:  # interleaved: drift hits every mode alike
-            times[mode].append(time_once_s(steps[mode]))
-    for mode in modes:
-        results[mode].step_s = statistics.median(times[mode])
-    return [results[mode] for mode in modes]
+    settings = Settings(repeats=repeats, probes=0)  # no batch search: one table, quickly
+    with fresh_inductor_cache():
+        warm_up_compiler("cpu")  # the first mode's compile time without Inductor's start-up
+        return run_case(build_case(model_name), parse_modes(modes), settings).modes
 
 
 def format_table(model_name: str, results: list[ModeResult]) -> str:
-    by_mode = {r.mode: r for r in results}
-    base = by_mode.get("compile")
+    base = next((r for r in results if r.mode == "compile" and r.step_s), None)
     lines = [
         f"model: {model_name}, torch {torch.__version__}, {torch.get_num_threads()} threads",
         f"| mode | saved MiB | peak MiB | step ms (median) | vs compile "
@@ -129,11 +55,14 @@ def format_table(model_name: str, results: list[ModeResult]) -> str:
         "|---|---|---|---|---|---|---|",
     ]
     for r in results:
+        if r.error:
+            lines.append(f"| {r.mode} | error: {r.error} |")
+            continue
         ratio = f"{r.step_s / base.step_s:.3f}" if base else "-"
         lines.append(
             f"| {r.mode} | {r.saved_bytes / MiB:.1f} | {r.peak_bytes / MiB:.1f} | "
             f"{r.step_s * 1e3:.0f} | {ratio} | {r.max_grad_diff:.1e} | {r.compile_s:.1f} |"
-            + (f" {r.notes}" if r.notes else "")
+            + (" fell back to PyTorch's partitioner" if r.fallback else "")
         )
     return "\n".join(lines)
 
@@ -141,7 +70,8 @@ def format_table(model_name: str, results: list[ModeResult]) -> str:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=MODELS, default="gpt")
-    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    parser.add_argument("--modes", nargs="+", default=list(MODES),
+                        help="any mode of python -m bench, e.g. eager compile ckpt ckpt+budget=0.5")
     parser.add_argument("--repeats", type=int, default=10)
     args = parser.parse_args(argv)
     print(format_table(args.model, compare(args.model, args.modes, args.repeats)))

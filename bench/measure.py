@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import statistics
+import sys
 import time
 from collections.abc import Callable, Iterable
 
@@ -91,9 +93,32 @@ def median_time_s(fn: Callable[[], object], repeats: int, sync: Callable[[], Non
 def max_grad_diff(model: torch.nn.Module, reference: list[torch.Tensor | None]) -> float:
     """Largest absolute difference between a model's parameter gradients and
     reference gradients (inf where only one side has a gradient)."""
+    return max_abs_diff([p.grad for p in model.parameters()], reference)
+
+
+def max_abs_diff(grads: list[torch.Tensor | None], reference: list[torch.Tensor | None]) -> float:
+    """Largest absolute difference between two gradient lists (inf where only
+    one side has a gradient)."""
     diffs = [
-        float("inf") if (p.grad is None) != (g is None) else (p.grad - g).abs().max().item()
-        for p, g in zip(model.parameters(), reference, strict=True)
-        if p.grad is not None or g is not None
+        float("inf") if (g is None) != (r is None) else (g.float() - r.float()).abs().max().item()
+        for g, r in zip(grads, reference, strict=True)
+        if g is not None or r is not None
     ]
     return max(diffs, default=0.0)
+
+
+@contextlib.contextmanager
+def quiet_native_stderr():
+    """Send the process's stderr (file descriptor 2) to /dev/null inside the
+    block: the profiler's native code prints a line at every start and stop,
+    which would break a progress bar."""
+    sys.stderr.flush()  # what was written before goes out before the switch
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 2)
+            yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)

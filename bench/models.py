@@ -6,13 +6,26 @@ import dataclasses
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+
+def run_block(block: nn.Module, x: torch.Tensor, checkpoint_blocks: bool) -> torch.Tensor:
+    """``block(x)``, under torch.utils.checkpoint when ``checkpoint_blocks`` is set
+    and autograd records (checkpointing without grad would only cost time)."""
+    if checkpoint_blocks and torch.is_grad_enabled():
+        return checkpoint(block, x, use_reentrant=False)
+    return block(x)
 
 
 class MLP(nn.Module):
-    """``depth`` x (Linear, LayerNorm, GELU) blocks and a linear head."""
+    """``depth`` x (Linear, LayerNorm, GELU) blocks and a linear head.
 
-    def __init__(self, depth: int = 8, width: int = 512):
+    ``checkpoint_blocks``: run each block under torch.utils.checkpoint (also
+    settable later as an attribute, e.g. on a deep copy)."""
+
+    def __init__(self, depth: int = 8, width: int = 512, checkpoint_blocks: bool = False):
         super().__init__()
+        self.checkpoint_blocks = checkpoint_blocks
         self.blocks = nn.ModuleList(
             nn.Sequential(nn.Linear(width, width), nn.LayerNorm(width), nn.GELU())
             for _ in range(depth)
@@ -21,7 +34,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
-            x = block(x)
+            x = run_block(block, x, self.checkpoint_blocks)
         return self.head(x).mean()
 
 
@@ -62,11 +75,14 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """A GPT-style decoder returning the mean next-token cross-entropy."""
+    """A GPT-style decoder returning the mean next-token cross-entropy.
 
-    def __init__(self, cfg: GPTConfig = GPTConfig()):
+    ``checkpoint_blocks``: run each decoder block under torch.utils.checkpoint."""
+
+    def __init__(self, cfg: GPTConfig = GPTConfig(), checkpoint_blocks: bool = False):
         super().__init__()
         self.cfg = cfg
+        self.checkpoint_blocks = checkpoint_blocks
         self.embed = nn.Embedding(cfg.vocab, cfg.width)
         self.pos = nn.Embedding(cfg.seq, cfg.width)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.depth))
@@ -77,7 +93,7 @@ class GPT(nn.Module):
         positions = torch.arange(tokens.shape[1], device=tokens.device)
         x = self.embed(tokens) + self.pos(positions)
         for block in self.blocks:
-            x = block(x)
+            x = run_block(block, x, self.checkpoint_blocks)
         logits = self.head(self.ln(x))
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
@@ -105,10 +121,18 @@ def tp_mlp_plan() -> dict:
 
 
 class ConvNet(nn.Module):
-    """Conv -> BatchNorm -> ReLU stages and a linear classifier."""
+    """Conv -> BatchNorm -> ReLU stages and a linear classifier.
 
-    def __init__(self, channels: int = 16, stages: int = 3, classes: int = 10):
+    ``checkpoint_blocks``: run each stage under torch.utils.checkpoint. Its
+    recompute runs BatchNorm again, so running statistics update twice per
+    step (gradients are unchanged: the batch statistics are the same)."""
+
+    STAGE_LAYERS = 3  # Conv2d, BatchNorm2d, ReLU
+
+    def __init__(self, channels: int = 16, stages: int = 3, classes: int = 10,
+                 checkpoint_blocks: bool = False):
         super().__init__()
+        self.checkpoint_blocks = checkpoint_blocks
         layers, c_in = [], 3
         for _ in range(stages):
             layers += [nn.Conv2d(c_in, channels, 3, padding=1), nn.BatchNorm2d(channels), nn.ReLU()]
@@ -117,13 +141,35 @@ class ConvNet(nn.Module):
         self.classifier = nn.Linear(channels, classes)
 
     def forward(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        x = self.features(images).mean(dim=(2, 3))
+        if self.checkpoint_blocks:
+            # Slices of the one flat Sequential: the parameter names (and so
+            # the canonical names in reports and goldens) stay as they are.
+            x = images
+            for start in range(0, len(self.features), self.STAGE_LAYERS):
+                x = run_block(self.features[start:start + self.STAGE_LAYERS], x, True)
+        else:
+            x = self.features(images)
+        x = x.mean(dim=(2, 3))
         return F.cross_entropy(self.classifier(x), labels)
 
 
 def gpt_batch(cfg: GPTConfig, batch: int, seq: int | None = None, seed: int = 0):
+    """Random (tokens, targets) of shape (batch, seq), the same for the same seed."""
     generator = torch.Generator().manual_seed(seed)
     seq = seq or cfg.seq
     tokens = torch.randint(cfg.vocab, (batch, seq), generator=generator)
     targets = torch.randint(cfg.vocab, (batch, seq), generator=generator)
     return tokens, targets
+
+
+def image_batch(batch: int, size: int = 32, classes: int = 10, seed: int = 0):
+    """Random (images, labels) for ConvNet, the same for the same seed."""
+    generator = torch.Generator().manual_seed(seed)
+    images = torch.randn(batch, 3, size, size, generator=generator)
+    labels = torch.randint(classes, (batch,), generator=generator)
+    return images, labels
+
+
+def mlp_batch(batch: int, width: int, seed: int = 0):
+    """Random inputs (batch, width) for MLP, the same for the same seed."""
+    return (torch.randn(batch, width, generator=torch.Generator().manual_seed(seed)),)

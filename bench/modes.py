@@ -1,0 +1,141 @@
+"""Benchmark modes: how a model runs, parsed from strings like ``ckpt+budget=0.3``.
+
+    eager                  plain PyTorch
+    eager+checkpoint       torch.utils.checkpoint around each block
+    compile                torch.compile, Inductor's default partitioner
+    compile+budget=F       the same under PyTorch's activation_memory_budget=F
+    ckpt                   torch.compile with ckpt's backend
+    ckpt+budget=B          ckpt with Config.memory_budget=B
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import re
+from collections.abc import Callable
+
+import torch
+
+KINDS = ("eager", "eager+checkpoint", "compile", "ckpt")
+VALID_FORMS = (
+    "eager, eager+checkpoint, compile, compile+budget=F (F a fraction 0..1), "
+    "ckpt, ckpt+budget=B (B a fraction 0..1 or bytes such as 16MiB, 2GB)"
+)
+DEFAULT_MODES = ("eager", "eager+checkpoint", "compile", "compile+budget=0.5", "ckpt", "ckpt+budget=0.5")
+
+_UNITS = {
+    "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+_NUMBER = r"(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?"
+_BYTES_RE = re.compile(rf"({_NUMBER})\s*([a-zA-Z]*)")
+_MODE_RE = re.compile(r"(eager\+checkpoint|eager|compile|ckpt)(?:\+budget=(.*))?")
+
+
+class ModeError(ValueError):
+    """A mode string that is none of the valid forms."""
+
+
+def parse_bytes(text: str) -> int:
+    """``"64MiB"`` -> 67108864; a bare number is bytes. ValueError otherwise."""
+    match = _BYTES_RE.fullmatch(text.strip())
+    unit = match.group(2).lower() if match else None
+    if unit not in _UNITS and unit != "":
+        raise ValueError(f"{text!r} is not a byte size; use e.g. 64MiB, 1.5GB, 1000000")
+    return int(float(match.group(1)) * _UNITS.get(unit, 1))
+
+
+@dataclasses.dataclass(frozen=True)
+class Mode:
+    kind: str
+    """One of KINDS."""
+    budget: str | None = None
+    """The memory budget as written on the command line, or None."""
+
+    def __str__(self) -> str:
+        return self.kind if self.budget is None else f"{self.kind}+budget={self.budget}"
+
+    @property
+    def compiled(self) -> bool:
+        return self.kind in ("compile", "ckpt")
+
+    @property
+    def checkpoint_blocks(self) -> bool:
+        return self.kind == "eager+checkpoint"
+
+
+def parse_mode(text: str) -> Mode:
+    """A Mode from its string; anything else is a ModeError listing the valid forms."""
+    match = _MODE_RE.fullmatch(text.strip())
+    if not match:
+        raise ModeError(f"unknown mode {text!r}; valid forms: {VALID_FORMS}")
+    kind, budget = match.groups()
+    if budget is None:
+        return Mode(kind)
+    budget = budget.strip()
+    if kind not in ("compile", "ckpt"):
+        raise ModeError(f"mode {text!r}: only compile and ckpt take a budget; valid forms: {VALID_FORMS}")
+    if not _valid_budget(kind, budget):
+        raise ModeError(f"mode {text!r}: bad budget {budget!r}; valid forms: {VALID_FORMS}")
+    return Mode(kind, budget)
+
+
+def _valid_budget(kind: str, budget: str) -> bool:
+    if re.fullmatch(_NUMBER, budget):
+        # PyTorch's budget is a fraction only; ckpt reads a number above 1 as bytes.
+        return kind == "ckpt" or float(budget) <= 1
+    if kind != "ckpt":
+        return False
+    try:
+        parse_bytes(budget)
+    except ValueError:
+        return False
+    return True
+
+
+def parse_modes(texts) -> list[Mode]:
+    """Modes from strings, in order, without duplicates."""
+    modes = []
+    for text in texts:
+        mode = parse_mode(text)
+        if mode not in modes:
+            modes.append(mode)
+    return modes
+
+
+@dataclasses.dataclass
+class Runner:
+    """How one mode calls a model."""
+
+    fn: Callable
+    """The model, or its torch.compile wrapper."""
+    plans: list
+    """The Plans ckpt recorded (empty for other modes)."""
+    context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+    """Entered around every step: compiles are lazy and a new shape recompiles."""
+
+
+def build_runner(model: torch.nn.Module, mode: Mode, dynamic: bool | None = False) -> Runner:
+    """The Runner of ``mode`` over ``model`` (checkpointing already set on the model).
+
+    ``dynamic`` goes to torch.compile. False (the default): compiled for the
+    shapes it is called with, as a fixed-shape training run is.
+    """
+    if not mode.compiled:
+        return Runner(model, [])
+    if mode.kind == "compile":
+        context = contextlib.nullcontext
+        if mode.budget is not None:
+            context = functools.partial(
+                torch._functorch.config.patch, activation_memory_budget=float(mode.budget)
+            )
+        return Runner(torch.compile(model, dynamic=dynamic), [], context)
+    from ckpt import make_backend
+
+    overrides = {}
+    if mode.budget is not None:
+        is_number = re.fullmatch(_NUMBER, mode.budget)
+        overrides["memory_budget"] = float(mode.budget) if is_number else mode.budget
+    backend = make_backend(**overrides)
+    return Runner(torch.compile(model, backend=backend, dynamic=dynamic), backend.plans)

@@ -1,0 +1,81 @@
+"""PNG plots of the results (matplotlib, Agg backend: no display needed)."""
+from __future__ import annotations
+
+import os
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
+
+from bench.harness import CaseResult  # noqa: E402
+from bench.report import MiB, sweep_depth  # noqa: E402
+
+
+def memory_vs_time(case: CaseResult, path: str) -> bool:
+    """Peak memory (y) against median step time (x), one labelled point per
+    mode; False (and no file) when no mode has both numbers."""
+    points = [(r.step_s * 1e3, r.peak_bytes / MiB, r.mode) for r in case.modes
+              if r.step_s is not None and r.peak_bytes is not None]
+    if not points:
+        return False
+    fig, ax = plt.subplots(figsize=(6.4, 4.8))
+    for x, y, label in points:
+        ax.scatter(x, y)
+        ax.annotate(label, (x, y), textcoords="offset points", xytext=(5, 5), fontsize=8)
+    ax.set_xlabel("step time, median (ms)")
+    ax.set_ylabel("peak memory of one step (MiB)")
+    ax.set_title(f"{case.name}: {case.description}", fontsize=9)
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+def depth_sweep(sweep: list[CaseResult], path: str) -> bool:
+    """Peak (and saved) memory and partitioner time against depth, a line per mode."""
+    series: dict[str, list] = {}
+    for case in sweep:
+        for r in case.modes:
+            series.setdefault(r.mode, []).append((sweep_depth(case.name), r))
+    if not series:
+        return False
+    fig, (mem, part) = plt.subplots(1, 2, figsize=(11, 4.5))
+    for mode, rows in series.items():
+        rows = [(d, r) for d, r in rows if r.peak_bytes is not None]
+        depths = [d for d, _ in rows]
+        line, = mem.plot(depths, [r.peak_bytes / MiB for _, r in rows], marker="o", label=f"{mode} peak")
+        mem.plot(depths, [r.saved_bytes / MiB for _, r in rows], marker="x", linestyle="--",
+                 color=line.get_color(), label=f"{mode} saved")
+        timed = [(d, r.partitioner_s) for d, r in rows if r.partitioner_s is not None]
+        if timed:
+            part.plot(*zip(*timed), marker="o", label=mode)
+    mem.set_xlabel("depth (layers)")
+    mem.set_ylabel("MiB")
+    mem.set_title("peak and saved memory vs depth", fontsize=9)
+    part.set_xlabel("depth (layers)")
+    part.set_ylabel("partitioner time (s)")
+    part.set_title("partitioner time vs depth", fontsize=9)
+    for ax in (mem, part):
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+def write_plots(models: list[CaseResult], sweep: list[CaseResult], out: str) -> list[str]:
+    """Every plot into ``out``; the paths written."""
+    written = []
+    for case in models:
+        path = os.path.join(out, f"{case.name}_memory_vs_time.png")
+        if memory_vs_time(case, path):
+            written.append(path)
+    path = os.path.join(out, "depth_sweep.png")
+    if sweep and depth_sweep(sweep, path):
+        written.append(path)
+    return written

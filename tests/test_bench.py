@@ -1,0 +1,180 @@
+"""The bench suite's parts: mode strings, byte sizes, the batch search, block
+checkpointing in the built-in models. All fast: no compiles."""
+import copy
+
+import pytest
+import torch
+
+from bench import cases
+from bench.capsearch import largest_batch_under_cap
+from bench.harness import Settings, run_case
+from bench.modes import Mode, ModeError, parse_bytes, parse_mode, parse_modes
+from bench.models import GPT, MLP, ConvNet, GPTConfig, gpt_batch, image_batch
+
+
+@pytest.mark.parametrize("text, mode", [
+    ("eager", Mode("eager")),
+    ("eager+checkpoint", Mode("eager+checkpoint")),
+    ("compile", Mode("compile")),
+    (" compile+budget=0.1 ", Mode("compile", "0.1")),
+    ("compile+budget=1", Mode("compile", "1")),
+    ("ckpt", Mode("ckpt")),
+    ("ckpt+budget=0.3", Mode("ckpt", "0.3")),
+    ("ckpt+budget=16MiB", Mode("ckpt", "16MiB")),
+    ("ckpt+budget=2GB", Mode("ckpt", "2GB")),
+    ("ckpt+budget=1.5e9", Mode("ckpt", "1.5e9")),
+])
+def test_valid_modes_parse_and_print_back(text, mode):
+    assert parse_mode(text) == mode
+    assert str(mode) == text.strip()
+
+
+@pytest.mark.parametrize("text", [
+    "inductor", "Compile", "ckpt+", "ckpt+budget=", "ckpt+budget=lots", "ckpt+budget=-1",
+    "ckpt+budget=16 parsecs", "compile+budget=16MiB", "compile+budget=1.5",
+    "eager+budget=0.5", "eager+checkpoint+budget=0.5", "ckpt+checkpoint",
+])
+def test_invalid_modes_name_the_valid_forms(text):
+    with pytest.raises(ModeError, match="valid forms: eager, eager\\+checkpoint, compile"):
+        parse_mode(text)
+
+
+def test_mode_lists_keep_order_and_drop_duplicates():
+    assert [str(m) for m in parse_modes(["ckpt", "eager", "ckpt"])] == ["ckpt", "eager"]
+
+
+def test_unknown_mode_on_the_command_line_is_a_clear_error(capsys):
+    from bench.suite import run
+
+    with pytest.raises(SystemExit, match="unknown mode 'fast'; valid forms"):
+        run(["--modes", "eager", "fast"])
+
+
+@pytest.mark.parametrize("text, nbytes", [
+    ("64MiB", 64 * 2**20), ("1.5GB", 1_500_000_000), ("512 KiB", 512 * 1024), ("1000", 1000), ("3b", 3),
+])
+def test_parse_bytes(text, nbytes):
+    assert parse_bytes(text) == nbytes
+
+
+@pytest.mark.parametrize("text", ["", "MiB", "12 parsecs", "-5MiB"])
+def test_parse_bytes_rejects_nonsense(text):
+    with pytest.raises(ValueError):
+        parse_bytes(text)
+
+
+def _linear_peak(per_item: int, fixed: int = 0):
+    probes = []
+
+    def peak_at(batch):
+        probes.append(batch)
+        return fixed + per_item * batch
+
+    return peak_at, probes
+
+
+def test_cap_search_doubles_then_bisects():
+    peak_at, probes = _linear_peak(per_item=10)
+    best, record = largest_batch_under_cap(peak_at, cap=250, start=8, start_peak=80, max_probes=10)
+    assert probes[:2] == [16, 32]  # doubling until over the cap (250 // 10 = 25)
+    assert probes[2] == 24  # then bisection
+    assert best == 24  # 25 is within 1/8 of 24: not worth a compile
+    assert record == [(b, 10 * b) for b in probes]
+
+
+def test_cap_search_halves_when_the_start_is_over():
+    peak_at, probes = _linear_peak(per_item=10)
+    best, _ = largest_batch_under_cap(peak_at, cap=35, start=8, start_peak=80, max_probes=10)
+    assert probes[:2] == [4, 2]
+    assert best == 3
+
+
+def test_cap_search_stops_at_its_probe_budget_and_at_batch_one():
+    peak_at, probes = _linear_peak(per_item=10)
+    best, _ = largest_batch_under_cap(peak_at, cap=10**6, start=8, start_peak=80, max_probes=2)
+    assert (best, probes) == (32, [16, 32])
+    peak_at, probes = _linear_peak(per_item=10, fixed=100)
+    best, _ = largest_batch_under_cap(peak_at, cap=50, start=4, start_peak=140, max_probes=10)
+    assert (best, probes) == (None, [2, 1])
+    best, record = largest_batch_under_cap(peak_at, cap=10**6, start=4, start_peak=140, max_probes=0)
+    assert (best, record) == (4, [])
+
+
+def test_cap_search_treats_a_failed_probe_as_over():
+    best, _ = largest_batch_under_cap(lambda b: None, cap=100, start=4, start_peak=40, max_probes=1)
+    assert best == 4
+
+
+def _grads(model, *inputs):
+    model.zero_grad(set_to_none=True)
+    model(*inputs).backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("build, inputs", [
+    (lambda: MLP(depth=2, width=16), lambda: (torch.randn(4, 16),)),
+    (lambda: GPT(GPTConfig(depth=2, width=32, heads=2, seq=8, vocab=32, dropout=0.1)),
+     lambda: gpt_batch(GPTConfig(seq=8, vocab=32), 2)),
+    (lambda: ConvNet(channels=4, stages=2), lambda: image_batch(2, size=8)),
+])
+def test_checkpoint_blocks_gives_the_same_gradients_and_saves_less(build, inputs):
+    from bench.measure import count_saved_bytes
+
+    torch.manual_seed(0)
+    model, args = build(), inputs()
+    checkpointed = copy.deepcopy(model)
+    checkpointed.checkpoint_blocks = True
+    saved = {}
+    for name, m in (("plain", model), ("checkpointed", checkpointed)):
+        torch.manual_seed(1)  # the same dropout masks: checkpoint replays the RNG state
+        with count_saved_bytes([*m.parameters(), *args]) as saved[name]:
+            loss = m(*args)
+        loss.backward()
+    for p, q in zip(model.parameters(), checkpointed.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad)
+    assert saved["checkpointed"]["bytes"] < saved["plain"]["bytes"]
+
+
+def test_models_keep_their_default_behaviour():
+    assert MLP().checkpoint_blocks is False
+    assert GPT(GPTConfig(depth=1, width=16, heads=2, seq=4, vocab=8)).checkpoint_blocks is False
+    assert ConvNet().checkpoint_blocks is False
+
+
+def test_eager_cap_search_through_the_harness():
+    case = cases.builtin_case("mlp", "quick")
+    result = run_case(case, [Mode("eager")], Settings(repeats=1, probes=3))
+    (mode,) = result.modes
+    assert result.cap_bytes == mode.peak_bytes and result.cap_source.startswith("peak of eager")
+    assert mode.cap_batch == case.batch  # its own peak is the cap: doubling overshoots
+    assert [b for b, _ in mode.cap_probes][:2] == [case.batch, 2 * case.batch]
+    smaller = run_case(case, [Mode("eager")], Settings(repeats=1, probes=3, cap=mode.peak_bytes // 2))
+    assert 0 < smaller.modes[0].cap_batch < case.batch
+    assert smaller.modes[0].cap_throughput > 0
+
+
+def test_real_models_are_skipped_with_a_note_when_absent():
+    from bench import real
+
+    for name in real.REAL:
+        reason = real.missing(name)
+        assert reason is None or reason == f"{real.REAL[name]} is not installed"
+
+
+def test_budgets_option_replaces_the_budget_modes():
+    from bench.suite import PRESET_DEFAULTS, _modes, parser
+
+    args = parser().parse_args(["--budgets", "0.3", "16MiB"])
+    assert [str(m) for m in _modes(args, PRESET_DEFAULTS["default"])] == [
+        "eager", "eager+checkpoint", "compile", "ckpt",
+        "compile+budget=0.3", "ckpt+budget=0.3", "ckpt+budget=16MiB",
+    ]
+
+
+def test_bad_cap_and_unknown_model_are_clear_errors():
+    from bench.suite import run
+
+    with pytest.raises(SystemExit, match="--cap: 'lots' is not a byte size"):
+        run(["--models", "mlp", "--cap", "lots"])
+    with pytest.raises(SystemExit, match="unknown model"):
+        run(["--models", "resnet50"])

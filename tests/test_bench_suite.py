@@ -1,0 +1,42 @@
+"""A smoke run of ``python -m bench --quick`` on the tiny MLP: the files it
+writes, their keys, and numbers that make sense."""
+import json
+import os
+
+from bench.suite import run
+
+
+def test_quick_suite_on_the_mlp_writes_json_markdown_and_plots(tmp_path):
+    out = str(tmp_path)
+    # No batch search (each probe is a compile; tests/test_bench.py covers
+    # it) and two timed steps: the run stays well under 30 seconds.
+    run(["--quick", "--models", "mlp", "--modes", "eager", "compile", "ckpt",
+         "--repeats", "2", "--probes", "0", "--out", out])
+
+    with open(os.path.join(out, "results.json")) as f:
+        data = json.load(f)
+    assert {"platform", "cpu_count", "torch", "threads", "device", "date"} <= set(data["machine"])
+    assert data["settings"]["modes"] == ["eager", "compile", "ckpt"]
+    (model,) = data["models"]
+    assert model["name"] == "mlp" and model["unit"] == "samples"
+    modes = {m["mode"]: m for m in model["modes"]}
+    assert list(modes) == ["eager", "compile", "ckpt"]
+    for m in modes.values():
+        assert m["error"] is None, m["error"]
+        assert m["peak_bytes"] > 0 and m["saved_bytes"] > 0
+        assert m["step_s"] > 0 and len(m["step_times_s"]) == 2 and m["throughput"] > 0
+        assert m["compile_s"] > 0
+        assert m["max_grad_diff"] < 1e-4
+    assert modes["eager"]["max_grad_diff"] == 0.0  # eager is the reference
+    assert modes["ckpt"]["saved_bytes"] <= modes["compile"]["saved_bytes"]
+    assert modes["ckpt"]["plan_saved_bytes"] is not None and modes["ckpt"]["fallback"] is None
+    assert modes["compile"]["partitioner_s"] > 0 and modes["ckpt"]["partitioner_s"] > 0
+    assert modes["eager"]["partitioner_s"] is None
+    assert model["cap_bytes"] is None and modes["ckpt"]["cap_batch"] is None  # --probes 0: no search
+    assert data["sweep"] == []
+
+    markdown = open(os.path.join(out, "results.md")).read()
+    assert "### mlp:" in markdown and "| ckpt |" in markdown
+    assert data["plots"] == ["mlp_memory_vs_time.png"]
+    with open(os.path.join(out, "mlp_memory_vs_time.png"), "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
