@@ -141,10 +141,7 @@ def _loglog_slope(xs, ys) -> float:
 
 def frontier_plot(result: CaseResult, path: str) -> None:
     """Peak vs step time: ckpt's budget frontier and PyTorch's, one PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from bench.plots import plt, save, style_axes
 
     fig, ax = plt.subplots(figsize=(7, 5))
     groups = {"ckpt+budget": [], "compile+budget": []}
@@ -163,15 +160,9 @@ def frontier_plot(result: CaseResult, path: str) -> None:
                 label="ckpt, CKPT_MEMORY_BUDGET" if prefix == "ckpt+budget" else "PyTorch, activation_memory_budget")
         for x, y, label in points:
             ax.annotate(label.split("=")[1], (x, y), textcoords="offset points", xytext=(5, 3), fontsize=8)
-    ax.set_xlabel("step time, median (ms)")
-    ax.set_ylabel("peak memory of one training step (MiB)")
-    ax.set_title(f"{result.description}, batch {result.batch}", fontsize=9)
-    ax.set_ylim(bottom=0)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    style_axes(ax, "step time, median (ms)", "peak memory of one training step (MiB)",
+               f"{result.description}, batch {result.batch}", legend=True)
+    save(fig, path)
 
 
 def to_markdown(data: dict) -> str:

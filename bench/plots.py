@@ -12,6 +12,23 @@ from bench.harness import CaseResult  # noqa: E402
 from bench.report import MiB, sweep_depth  # noqa: E402
 
 
+def style_axes(ax, xlabel: str, ylabel: str, title: str, legend: bool = False) -> None:
+    """Labels, a title, a y axis from zero and a light grid: every plot's look."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=9)
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    if legend:
+        ax.legend(fontsize=8)
+
+
+def save(fig, path: str) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def memory_vs_time(case: CaseResult, path: str) -> bool:
     """Peak memory (y) against median step time (x), one labelled point per
     mode; False (and no file) when no mode has both numbers."""
@@ -23,14 +40,8 @@ def memory_vs_time(case: CaseResult, path: str) -> bool:
     for x, y, label in points:
         ax.scatter(x, y)
         ax.annotate(label, (x, y), textcoords="offset points", xytext=(5, 5), fontsize=8)
-    ax.set_xlabel("step time, median (ms)")
-    ax.set_ylabel("peak memory of one step (MiB)")
-    ax.set_title(f"{case.name}: {case.description}", fontsize=9)
-    ax.set_ylim(bottom=0)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    style_axes(ax, "step time, median (ms)", "peak memory of one step (MiB)", f"{case.name}: {case.description}")
+    save(fig, path)
     return True
 
 
@@ -52,19 +63,9 @@ def depth_sweep(sweep: list[CaseResult], path: str) -> bool:
         timed = [(d, r.partitioner_s) for d, r in rows if r.partitioner_s is not None]
         if timed:
             part.plot(*zip(*timed), marker="o", label=mode)
-    mem.set_xlabel("depth (layers)")
-    mem.set_ylabel("MiB")
-    mem.set_title("peak and saved memory vs depth", fontsize=9)
-    part.set_xlabel("depth (layers)")
-    part.set_ylabel("partitioner time (s)")
-    part.set_title("partitioner time vs depth", fontsize=9)
-    for ax in (mem, part):
-        ax.set_ylim(bottom=0)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    style_axes(mem, "depth (layers)", "MiB", "peak and saved memory vs depth", legend=True)
+    style_axes(part, "depth (layers)", "partitioner time (s)", "partitioner time vs depth", legend=True)
+    save(fig, path)
     return True
 
 
