@@ -91,8 +91,15 @@ def solve_with_budget(
         estimated_peak_bytes=estimate_backward_peak(facts, saved),
     )
     target = _target_bytes(budget, optimal.saved_bytes)
+    if target >= optimal.saved_bytes:  # no budget, or one the fastest plan fits
+        return dataclasses.replace(
+            optimal,
+            target_bytes=target,
+            optimal_bytes=optimal.saved_bytes,
+            solve_time_s=time.perf_counter() - start,
+        )
     search = _Search(facts, profile)
-    if target < optimal.saved_bytes and budget.fraction is not None:
+    if budget.fraction is not None:
         target = max(target, search.lowest_peak(optimal).saved_bytes)
     if target >= optimal.saved_bytes:
         solution = optimal
