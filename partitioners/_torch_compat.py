@@ -132,3 +132,14 @@ def flop_formula(target):
 
     packet = getattr(target, "overloadpacket", target)
     return flop_registry.get(packet)
+
+
+def inductor_relayouts_convolutions(gm: fx.GraphModule) -> bool:
+    """Whether Inductor's layout optimization will run this graph's
+    convolutions channels-last (copying NCHW inputs and weights to do so)."""
+    from torch._inductor.graph import GraphLowering
+
+    try:
+        return bool(GraphLowering.decide_layout_opt(gm, is_inference=False))
+    except Exception:  # a heuristic's internals changed: assume no copies
+        return False

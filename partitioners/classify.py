@@ -48,6 +48,14 @@ class GraphFacts:
     forced_saves: frozenset[fx.Node]
     """Sources of input mutations repeated in backward: saving them is the only
     way not to apply a mutation twice."""
+    relaid_inputs: frozenset[fx.Node] = frozenset()
+    """Inputs Inductor copies channels-last for a convolution: saved, it is
+    the copy that backward keeps, so saving them costs bytes."""
+
+    def saved_storages(self, saved) -> set[fx.Node]:
+        """The storages saving ``saved`` keeps alive beyond what the caller holds."""
+        free = self.inputs - self.relaid_inputs
+        return {self.nodes[node].storage_root for node in saved} - free
 
 
 def classify(
@@ -95,7 +103,15 @@ def classify(
         inputs=inputs,
         static_inputs=static_inputs,
         forced_saves=frozenset(_mutation_sources_repeated_in_backward(graph)),
+        relaid_inputs=_relaid_inputs(joint_gm, inputs),
     )
+
+
+def _relaid_inputs(joint_gm: fx.GraphModule, inputs: frozenset[fx.Node]) -> frozenset[fx.Node]:
+    convolutions = joint_gm.graph.find_nodes(op="call_function", target=torch.ops.aten.convolution.default)
+    if not convolutions or not compat.inductor_relayouts_convolutions(joint_gm):
+        return frozenset()
+    return frozenset(arg for conv in convolutions for arg in conv.args[:2] if arg in inputs)
 
 
 def recompute_allowed(facts: NodeFacts) -> bool:

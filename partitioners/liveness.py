@@ -66,7 +66,7 @@ def estimate_backward_peak(facts: GraphFacts, saved) -> int:
     keep = {_owner(n, facts, saved) for n in facts.backward_outputs}
 
     # Alive from the start: the storages saved values keep (inputs excluded).
-    held = {facts.nodes[n].storage_root for n in saved} - facts.inputs
+    held = facts.saved_storages(saved)
     live = sum(facts.nodes[n].nbytes for n in held)
     frees: dict[int, list[fx.Node]] = {}
     for key, step in last_use.items():

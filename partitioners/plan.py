@@ -99,7 +99,7 @@ def build_plan(facts: GraphFacts, saved: list[fx.Node], solution: BudgetSolution
                 decision,
                 node_facts.nbytes,
                 reason,
-                is_input=node_facts.storage_root in facts.inputs,
+                is_input=node_facts.storage_root in facts.inputs - facts.relaid_inputs,
             )
         )
     plan = Plan(decisions=tuple(decisions), saved_activation_bytes=activation_bytes(facts, saved))
@@ -118,8 +118,7 @@ def build_plan(facts: GraphFacts, saved: list[fx.Node], solution: BudgetSolution
 
 def activation_bytes(facts: GraphFacts, saved) -> int:
     """Bytes that saving ``saved`` keeps alive beyond the graph inputs, each storage once."""
-    storages = {facts.nodes[n].storage_root for n in saved} - facts.inputs
-    return sum(facts.nodes[root].nbytes for root in storages)
+    return sum(facts.nodes[root].nbytes for root in facts.saved_storages(saved))
 
 
 def recomputed_nodes(facts: GraphFacts, saved: set[fx.Node]) -> set[fx.Node]:
@@ -141,6 +140,8 @@ def recomputed_nodes(facts: GraphFacts, saved: set[fx.Node]) -> set[fx.Node]:
 
 def _save_reason(node: fx.Node, node_facts: NodeFacts, facts: GraphFacts) -> str:
     category = node_facts.category
+    if node in facts.relaid_inputs:
+        return "saved: graph input; Inductor keeps a channels-last copy of it for its convolution"
     if node in facts.static_inputs:
         return "saved: graph input, parameter or buffer (alive anyway, free)"
     if node in facts.inputs:

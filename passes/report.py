@@ -64,7 +64,8 @@ def build_report(result: Partition | None, plan: Plan, pytorch: PyTorchDecisions
     values = []
     for node, node_facts in facts.nodes.items():
         decision = decisions.get(node.name)
-        if node in facts.static_inputs or (decision is None and node not in pytorch_kept):
+        # Parameters are free to save, unless Inductor copies them (channels-last).
+        if node in facts.static_inputs - facts.relaid_inputs or (decision is None and node not in pytorch_kept):
             continue
         value = node.meta.get("val")
         values.append({
