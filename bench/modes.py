@@ -17,6 +17,8 @@ from collections.abc import Callable
 
 import torch
 
+from partitioners.config import ConfigError, MemoryBudget
+
 KINDS = ("eager", "eager+checkpoint", "compile", "ckpt")
 VALID_FORMS = (
     "eager, eager+checkpoint, compile, compile+budget=F (F a fraction 0..1), "
@@ -24,12 +26,7 @@ VALID_FORMS = (
 )
 DEFAULT_MODES = ("eager", "eager+checkpoint", "compile", "compile+budget=0.5", "ckpt", "ckpt+budget=0.5")
 
-_UNITS = {
-    "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-}
 _NUMBER = r"(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?"
-_BYTES_RE = re.compile(rf"({_NUMBER})\s*([a-zA-Z]*)")
 _MODE_RE = re.compile(r"(eager\+checkpoint|eager|compile|ckpt)(?:\+budget=(.*))?")
 
 
@@ -38,12 +35,14 @@ class ModeError(ValueError):
 
 
 def parse_bytes(text: str) -> int:
-    """``"64MiB"`` -> 67108864; a bare number is bytes. ValueError otherwise."""
-    match = _BYTES_RE.fullmatch(text.strip())
-    unit = match.group(2).lower() if match else None
-    if unit not in _UNITS and unit != "":
+    """``"64MiB"`` -> 67108864; a bare number above 1 is bytes. ValueError otherwise."""
+    try:
+        nbytes = MemoryBudget.parse(text).nbytes
+    except ConfigError:
+        nbytes = None
+    if nbytes is None:  # not a size, or a fraction
         raise ValueError(f"{text!r} is not a byte size; use e.g. 64MiB, 1.5GB, 1000000")
-    return int(float(match.group(1)) * _UNITS.get(unit, 1))
+    return nbytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,14 +81,11 @@ def parse_mode(text: str) -> Mode:
 
 
 def _valid_budget(kind: str, budget: str) -> bool:
-    if re.fullmatch(_NUMBER, budget):
-        # PyTorch's budget is a fraction only; ckpt reads a number above 1 as bytes.
-        return kind == "ckpt" or float(budget) <= 1
-    if kind != "ckpt":
-        return False
+    if kind == "compile":  # PyTorch's budget is a fraction only
+        return re.fullmatch(_NUMBER, budget) is not None and float(budget) <= 1
     try:
-        parse_bytes(budget)
-    except ValueError:
+        MemoryBudget.parse(budget)
+    except ConfigError:
         return False
     return True
 
@@ -133,9 +129,6 @@ def build_runner(model: torch.nn.Module, mode: Mode, dynamic: bool | None = Fals
         return Runner(torch.compile(model, dynamic=dynamic), [], context)
     from ckpt import make_backend
 
-    overrides = {}
-    if mode.budget is not None:
-        is_number = re.fullmatch(_NUMBER, mode.budget)
-        overrides["memory_budget"] = float(mode.budget) if is_number else mode.budget
+    overrides = {} if mode.budget is None else {"memory_budget": MemoryBudget.parse(mode.budget)}
     backend = make_backend(**overrides)
     return Runner(torch.compile(model, backend=backend, dynamic=dynamic), backend.plans)
