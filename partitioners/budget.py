@@ -8,9 +8,11 @@ Two knobs shape a plan, each searched with the minimum cut of mincut.py:
   still waiting for a forward user): the residual stream between blocks.
   Saving some of them splits the forward into segments, and backward then
   recomputes one segment at a time instead of re-running the whole forward
-  at its start with every result alive at once. The count of boundaries is
-  picked by the estimated backward peak (liveness.py), so that the plan
-  family the budget moves along is the one with the lowest peak.
+  at its start with every result alive at once. Where the ops between spine
+  values repeat (a stack of identical blocks), boundaries sit at the same
+  place in every block, or every second, third... block; elsewhere they
+  split the forward into equal bytes. The family the budget moves along is
+  the one with the lowest estimated backward peak (liveness.py).
 - A price on recomputing heavy ops (matmuls, attention, shrinking
   reductions): ``rate x estimated runtime`` in bytes. The cut then minimizes
   ``saved bytes + rate x recompute time``; a lower rate recomputes more and
@@ -47,8 +49,13 @@ PRICED_CATEGORIES = frozenset({OpCategory.COMPUTE, OpCategory.SHRINKING_REDUCTIO
 # breakpoint would do; 1/1024 is far below the gaps between op ratios).
 TIE_TO_SAVING = 1 + 2**-10
 
-# Boundary counts tried: the spine count halved until one (a handful of cuts).
+# Without repeated blocks, boundary counts tried: the spine count halved
+# until one (a handful of cuts).
 HALVING = 2
+# Families are tried from most boundaries to fewest until the estimated peak
+# has risen this many times in a row past its lowest (it is roughly convex
+# in the boundary count: saved boundaries against segment working sets).
+RISES_TO_STOP = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,10 +106,9 @@ def solve_with_budget(
             solve_time_s=time.perf_counter() - start,
         )
     search = _Search(facts, profile)
-    if budget.fraction is not None:
-        target = max(target, search.lowest_peak(optimal).saved_bytes)
-    if target >= optimal.saved_bytes:
-        solution = optimal
+    floor = search.lowest_peak(optimal) if budget.fraction is not None else None
+    if floor is not None and target <= floor.saved_bytes:
+        solution, target = floor, floor.saved_bytes
     else:
         solution = search.fastest_within(target)
     if not solution.fits:
@@ -170,6 +176,49 @@ def _activations(facts: GraphFacts) -> set[fx.Node]:
     return activations
 
 
+def repeating_run(facts: GraphFacts, spine: list[fx.Node]) -> tuple[int, int, int] | None:
+    """``(first, end, period)``: the longest stretch ``spine[first:end]`` in
+    which the ops between consecutive spine values repeat every ``period``
+    values, at least twice over (a stack of identical blocks); None if none."""
+    signatures = _gap_signatures(facts, spine)
+    best = None  # (values covered, -period, first)
+    for period in range(1, len(spine) // 2 + 1):
+        run = 0
+        for i in range(len(spine) - period):
+            run = run + 1 if signatures[i] == signatures[i + period] else 0
+            covered = run + period
+            if covered >= 2 * period and (best is None or (covered, -period) > best[:2]):
+                best = (covered, -period, i + period + 1 - covered)
+    if best is None:
+        return None
+    covered, period, first = best
+    return first, first + covered, -period
+
+
+def _gap_signatures(facts: GraphFacts, spine: list[fx.Node]) -> list[int]:
+    """Per spine value, a hash of the forward ops computed since the previous one."""
+    on_spine = set(spine)
+    signatures, gap = [], []
+    for node in facts.nodes:
+        if node not in facts.forward or node.op == "placeholder":
+            continue
+        gap.append(str(node.target))
+        if node in on_spine:
+            signatures.append(hash(tuple(gap)))
+            gap = []
+    return signatures
+
+
+def periodic_boundaries(spine: list[fx.Node], run: tuple[int, int, int], phase: int, blocks: int) -> list[fx.Node]:
+    """The spine values at ``phase`` within every ``blocks``-th repeat of
+    ``run``; the repeats left over are split between the first and the last
+    segment, so that no segment is much longer than the others."""
+    first, end, period = run
+    repeats = (end - first) // period
+    offset = ((repeats - 1) % blocks) // 2
+    return spine[first + phase + offset * period:end:period * blocks]
+
+
 def pick_boundaries(facts: GraphFacts, spine: list[fx.Node], count: int) -> list[fx.Node]:
     """``count`` spine values splitting the forward into segments of about
     equal activation bytes; near each split point, the smallest value."""
@@ -195,13 +244,14 @@ def pick_boundaries(facts: GraphFacts, spine: list[fx.Node], count: int) -> list
 
 
 class _Search:
-    """Min cuts over boundary counts and recompute rates, counted."""
+    """Min cuts over boundary families and recompute rates, counted."""
 
     def __init__(self, facts: GraphFacts, profile: DeviceProfile):
         self.facts = facts
         self.cuts = 0
-        self._families: list[BudgetSolution] | None = None
         self.spine = spine_values(facts)
+        self._families: list[BudgetSolution] = []
+        self._family_plans = self._all_families()
         self.runtime = {
             node: estimate_runtime_s(node, profile)
             for node, node_facts in facts.nodes.items()
@@ -219,33 +269,70 @@ class _Search:
         )
 
     def families(self) -> list[BudgetSolution]:
-        """Per boundary count, the plan recomputing every heavy op it may."""
-        if self._families is None:
-            self._families = [
-                self._cut(pick_boundaries(self.facts, self.spine, count), rate=0.0)
-                for count in self._boundary_counts()
-            ]
+        """Plans recomputing every heavy op they may, one per boundary set,
+        from most boundaries to fewest, until the estimated peak has passed
+        its lowest."""
+        rises = 0
+        while rises < RISES_TO_STOP and self._next_family():
+            lowest = min(s.estimated_peak_bytes for s in self._families)
+            rises = rises + 1 if self._families[-1].estimated_peak_bytes > lowest else 0
         return self._families
 
+    def _next_family(self) -> bool:
+        family = next(self._family_plans, None)
+        if family is not None:
+            self._families.append(family)
+        return family is not None
+
     def lowest_peak(self, optimal: BudgetSolution) -> BudgetSolution:
-        """The plan of lowest estimated peak: the runtime-optimal one or a family."""
-        return min([optimal, *self.families()], key=lambda s: (s.estimated_peak_bytes, s.saved_bytes))
+        """The plan of lowest estimated peak: the runtime-optimal one, or the
+        lowest-peak family at the rate where its peak is lowest (saving an op
+        whose recompute needs a large working set can lower the peak)."""
+        family = min(self.families(), key=_by_peak)
+        path, rises = [family], 0
+        for rate in self.rates:
+            if rises >= RISES_TO_STOP:
+                break
+            plan = self._cut(family.boundaries, rate)
+            if plan.saved_bytes >= optimal.saved_bytes:
+                break
+            rises = rises + 1 if plan.estimated_peak_bytes > min(p.estimated_peak_bytes for p in path) else 0
+            path.append(plan)
+        return min([optimal, *path], key=_by_peak)
 
     def fastest_within(self, target: int) -> BudgetSolution:
-        """Lowest-peak boundary family first; fewer boundaries if it cannot fit."""
-        families = self.families()
-        lowest_peak = min(families, key=lambda s: (s.estimated_peak_bytes, s.saved_bytes))
-        for family in [lowest_peak] + [f for f in families if f is not lowest_peak]:
-            if family.saved_bytes <= target:
-                return self._fastest_rate(family.boundaries, target, family)
-        return dataclasses.replace(min(families, key=lambda s: s.saved_bytes), fits=False)
+        """Of the families that fit, the one of lowest estimated peak (trying
+        ones with fewer boundaries if none does), at the fastest rate."""
+        fitting = [f for f in self.families() if f.saved_bytes <= target]
+        while not fitting and self._next_family():
+            if self._families[-1].saved_bytes <= target:
+                fitting.append(self._families[-1])
+        if not fitting:
+            return dataclasses.replace(min(self._families, key=lambda s: s.saved_bytes), fits=False)
+        family = min(fitting, key=_by_peak)
+        return self._fastest_rate(family.boundaries, target, family)
 
-    def _boundary_counts(self) -> list[int]:
-        counts, count = [], len(self.spine)
-        while count > 0:
-            counts.append(count)
-            count //= HALVING
-        return counts + [0]
+    def _all_families(self):
+        """Every family plan, most boundaries first, ending with none (lazily:
+        each is a min cut)."""
+        run = repeating_run(self.facts, self.spine)
+        if run is None:
+            count = len(self.spine)
+            while count > 0:
+                yield self._cut(pick_boundaries(self.facts, self.spine, count), rate=0.0)
+                count //= HALVING
+        else:
+            first, end, period = run
+            yield self._cut(self.spine, rate=0.0)
+            per_block = [
+                self._cut(periodic_boundaries(self.spine, run, phase, 1), rate=0.0)
+                for phase in range(period)
+            ]
+            yield from per_block
+            phase = min(range(period), key=lambda p: _by_peak(per_block[p]))
+            for blocks in range(2, (end - first) // period + 1):
+                yield self._cut(periodic_boundaries(self.spine, run, phase, blocks), rate=0.0)
+        yield self._cut([], rate=0.0)
 
     def _fastest_rate(self, boundaries, target, cheapest: BudgetSolution) -> BudgetSolution:
         """Binary search on the rate: the highest (least recompute) that fits,
@@ -309,3 +396,7 @@ class _Search:
             recompute_time_s=sum(self.runtime[node] for node in recomputed),
         )
 
+
+
+def _by_peak(solution: BudgetSolution) -> tuple[int, int]:
+    return solution.estimated_peak_bytes, solution.saved_bytes

@@ -10,9 +10,10 @@ import torch.nn.functional as F
 from conftest import aot_plan
 from functorch.compile import aot_function, default_partition, nop
 
-from bench.models import GPT, MLP, GPTConfig, gpt_batch
+from bench.measure import count_saved_bytes
+from bench.models import GPT, MLP, ConvNet, GPTConfig, gpt_batch
 from ckpt import ConfigError, MemoryBudget, make_backend
-from partitioners.budget import pick_boundaries, spine_values
+from partitioners.budget import periodic_boundaries, pick_boundaries, repeating_run, spine_values
 from partitioners.config import Config
 from partitioners.cost import DEVICE_PROFILES, estimate_runtime_s
 from partitioners.liveness import backward_schedule, estimate_backward_peak
@@ -164,6 +165,31 @@ def test_spine_is_the_residual_stream_between_sublayers():
     assert pick_boundaries(facts, spine, 0) == []
 
 
+def test_repeated_blocks_are_found_and_boundaries_sit_at_one_place_per_block():
+    facts = _gpt_partition(depth=4).facts
+    spine = spine_values(facts)
+    first, end, period = repeating_run(facts, spine)
+    # After attention and after the MLP, 4 times over.
+    assert period == 2 and (end - first) // period == 4
+    assert [n.name for n in spine[first:end]] == [f"add_{i}" for i in range(1, 9)]
+    names = lambda nodes: [n.name for n in nodes]  # noqa: E731
+    run = (first, end, period)
+    assert names(periodic_boundaries(spine, run, phase=0, blocks=1)) == ["add_1", "add_3", "add_5", "add_7"]
+    assert names(periodic_boundaries(spine, run, phase=1, blocks=2)) == ["add_2", "add_6"]
+    # 3 blocks per segment out of 4: the leftover block goes to the last segment.
+    assert names(periodic_boundaries(spine, run, phase=0, blocks=3)) == ["add_1", "add_7"]
+    # A single boundary among 3 blocks sits in the middle one.
+    facts3 = _gpt_partition(depth=3).facts
+    spine3 = spine_values(facts3)
+    assert names(periodic_boundaries(spine3, repeating_run(facts3, spine3), phase=0, blocks=3)) == ["add_3"]
+
+
+def test_tightest_fraction_keeps_one_boundary_per_block():
+    plan = _gpt_partition(depth=4, budget=0.0).plan
+    boundaries = [d.name for d in plan.decisions if "segment boundary" in d.reason]
+    assert boundaries == ["add_1", "add_3", "add_5", "add_7"]
+
+
 def test_byte_budgets_are_honored_and_cost_more_recompute_as_they_tighten():
     optimal = _gpt_partition().plan
     assert optimal.recompute_time_s == 0
@@ -249,3 +275,19 @@ def test_dropout_gpt_at_a_tight_budget_matches_the_default_compile():
     assert plans[0].saved_activation_bytes < plans[0].optimal_bytes
     for got, want in zip(grads[1], grads[0]):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
+def test_convnet_plan_counts_the_channels_last_copies_inductor_saves():
+    """Inductor runs CPU convolutions channels-last and saves copies of their
+    NCHW inputs and weights: the plan counts them, so measured bytes match."""
+    torch.manual_seed(0)
+    model, images, labels = ConvNet(channels=4, stages=2), torch.randn(2, 3, 8, 8), torch.randint(10, (2,))
+    backend = make_backend()
+    compiled = torch.compile(model, backend=backend)
+    compiled(images, labels)  # compile outside the measurement
+    with count_saved_bytes(exclude=[*model.parameters(), *model.buffers(), images, labels]) as saved:
+        compiled(images, labels)
+    (plan,) = backend.plans
+    image_and_weights = 4 * (2 * 3 * 8 * 8 + 4 * 3 * 3 * 3 + 4 * 4 * 3 * 3)
+    assert sum(d.nbytes for d in plan.decisions if "channels-last copy" in d.reason) == image_and_weights
+    assert saved["bytes"] == plan.saved_activation_bytes
