@@ -52,10 +52,11 @@ TIE_TO_SAVING = 1 + 2**-10
 # Without repeated blocks, boundary counts tried: the spine count halved
 # until one (a handful of cuts).
 HALVING = 2
-# Families are tried from most boundaries to fewest until the estimated peak
-# has risen this many times in a row past its lowest (it is roughly convex
-# in the boundary count: saved boundaries against segment working sets).
-RISES_TO_STOP = 2
+# Families are tried from most boundaries to fewest until this many in a row
+# have not lowered the estimated peak (it is roughly convex in the boundary
+# count: saved boundaries against segment working sets). The same holds
+# along the recompute rates.
+STALE_TO_STOP = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -272,10 +273,10 @@ class _Search:
         """Plans recomputing every heavy op they may, one per boundary set,
         from most boundaries to fewest, until the estimated peak has passed
         its lowest."""
-        rises = 0
-        while rises < RISES_TO_STOP and self._next_family():
-            lowest = min(s.estimated_peak_bytes for s in self._families)
-            rises = rises + 1 if self._families[-1].estimated_peak_bytes > lowest else 0
+        if not self._families:
+            stale = 0
+            while stale < STALE_TO_STOP and self._next_family():
+                stale = 0 if _lowers_peak(self._families) else stale + 1
         return self._families
 
     def _next_family(self) -> bool:
@@ -289,15 +290,15 @@ class _Search:
         lowest-peak family at the rate where its peak is lowest (saving an op
         whose recompute needs a large working set can lower the peak)."""
         family = min(self.families(), key=_by_peak)
-        path, rises = [family], 0
+        path, stale = [family], 0
         for rate in self.rates:
-            if rises >= RISES_TO_STOP:
+            if stale >= STALE_TO_STOP:
                 break
             plan = self._cut(family.boundaries, rate)
             if plan.saved_bytes >= optimal.saved_bytes:
                 break
-            rises = rises + 1 if plan.estimated_peak_bytes > min(p.estimated_peak_bytes for p in path) else 0
             path.append(plan)
+            stale = 0 if _lowers_peak(path) else stale + 1
         return min([optimal, *path], key=_by_peak)
 
     def fastest_within(self, target: int) -> BudgetSolution:
@@ -400,3 +401,8 @@ class _Search:
 
 def _by_peak(solution: BudgetSolution) -> tuple[int, int]:
     return solution.estimated_peak_bytes, solution.saved_bytes
+
+
+def _lowers_peak(plans: list[BudgetSolution]) -> bool:
+    """Whether the last plan's estimated peak is below every earlier one's."""
+    return all(plans[-1].estimated_peak_bytes < p.estimated_peak_bytes for p in plans[:-1])

@@ -84,9 +84,17 @@ def test_exact_saved_sets_as_the_budget_tightens():
     assert plan.recomputed == ("mm_1", "tanh_1", "mm_2", "tanh_2")
     assert "to fit the memory budget" in plan.reason("mm_1")
     assert plan.budget_bytes == 12 * KiB and plan.fits_budget
-    # Nothing but the inputs.
+    # 0.0: the lowest estimated peak. Boundary families are tried from most
+    # boundaries to fewest and stop once two in a row do not lower the
+    # estimate: here one boundary (the first layer's output), then nothing
+    # saved but the inputs would peak no lower.
     plan, _ = aot_plan(three_layers, *args, config=Config(memory_budget=0.0))
-    assert plan.saved_activation_bytes == 0
+    assert [n for n in plan.saved if not n.startswith("primals")] == ["tanh"]
+    assert "segment boundary" in plan.reason("tanh")
+    assert plan.recomputed == ("mm_1", "tanh_1", "mm_2", "tanh_2")
+    # A byte budget below that is honored: nothing but the inputs.
+    plan, _ = aot_plan(three_layers, *args, config=Config(memory_budget="1KiB"))
+    assert plan.saved_activation_bytes == 0 and plan.fits_budget
     assert plan.recomputed == ("mm", "tanh", "mm_1", "tanh_1", "mm_2", "tanh_2")
 
 
