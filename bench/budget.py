@@ -47,6 +47,7 @@ HONORED_FRACTIONS = (1.0, 0.7, 0.4, 0.1)
 DEPTH_GPT = GPTConfig(width=64, heads=4, seq=256, vocab=256)
 DEPTH_BATCH = 8
 DEPTHS = (4, 8, 16, 32)
+DEPTH_CKPT_MODES = ("ckpt", "ckpt+budget=0.5", "ckpt+budget=0.0")
 SOLVER_DEPTHS = (6, 24, 48)
 
 
@@ -107,8 +108,9 @@ def honored(settings: Settings, preset: str) -> list[dict]:
 
 
 def depth(settings: Settings) -> dict:
-    """Peak vs depth, default compile against ckpt at its tightest fraction."""
-    modes = parse_modes(["compile", "ckpt+budget=0.0"])
+    """Peak vs depth: the default compile, and ckpt at fractions from 1.0 (no
+    budget) to its tightest, whose peaks must not rise as the budget falls."""
+    modes = parse_modes(["compile", *DEPTH_CKPT_MODES])
     results = []
     for layers in DEPTHS:
         case = gpt_case(dataclasses.replace(DEPTH_GPT, depth=layers), DEPTH_BATCH, name=f"depth-{layers}")
@@ -121,7 +123,9 @@ def depth(settings: Settings) -> dict:
             "saved": [case.modes[index].saved_bytes for case in results],
             "exponent": _loglog_slope(DEPTHS, peaks),
         }
-    return {"depths": list(DEPTHS), "modes": fits}
+    ckpt_peaks = [fits[mode]["peaks"] for mode in DEPTH_CKPT_MODES]
+    monotone = [all(a >= b for a, b in zip(column, column[1:])) for column in zip(*ckpt_peaks)]
+    return {"depths": list(DEPTHS), "modes": fits, "monotone": monotone}
 
 
 def solver_times() -> list[dict]:
@@ -195,6 +199,9 @@ def to_markdown(data: dict) -> str:
                   + " | fitted exponent |", "|---" * (len(d["depths"]) + 2) + "|"]
         for mode, row in d["modes"].items():
             lines.append(f"| {mode} | " + " | ".join(_mib(p) for p in row["peaks"]) + f" | {row['exponent']:.2f} |")
+        if "monotone" in d:
+            verdicts = ", ".join(f"{x} layers: {'yes' if ok else 'NO'}" for x, ok in zip(d["depths"], d["monotone"]))
+            lines += ["", f"- ckpt peak monotone as its budget falls ({' > '.join(DEPTH_CKPT_MODES)}): {verdicts}"]
         lines.append("")
     if "solver" in data:
         lines += ["## Partitioner time with a budget (joint graphs, no codegen)", "",
@@ -227,6 +234,10 @@ def main(argv=None) -> None:
     os.makedirs(args.out, exist_ok=True)
     with fresh_inductor_cache():  # every mode compiles (and records its plan) afresh
         data = _run_parts(args)
+    previous = os.path.join(args.out, "budget.json")
+    if os.path.exists(previous):  # parts not run this time keep their last results
+        with open(previous) as f:
+            data = {**json.load(f), **data}
     text = to_markdown(data)
     with open(os.path.join(args.out, "budget.md"), "w") as f:
         f.write(text + "\n")
