@@ -271,8 +271,8 @@ class _Search:
 
     def families(self) -> list[BudgetSolution]:
         """Plans recomputing every heavy op they may, one per boundary set,
-        from most boundaries to fewest, until the estimated peak has passed
-        its lowest."""
+        from most boundaries to fewest, until STALE_TO_STOP in a row have not
+        lowered the estimated peak."""
         if not self._families:
             stale = 0
             while stale < STALE_TO_STOP and self._next_family():
