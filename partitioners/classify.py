@@ -52,10 +52,14 @@ class GraphFacts:
     """Inputs Inductor copies channels-last for a convolution: saved, it is
     the copy that backward keeps, so saving them costs bytes."""
 
+    @property
+    def free_inputs(self) -> frozenset[fx.Node]:
+        """Inputs whose saving keeps nothing alive the caller does not hold."""
+        return self.inputs - self.relaid_inputs
+
     def saved_storages(self, saved) -> set[fx.Node]:
         """The storages saving ``saved`` keeps alive beyond what the caller holds."""
-        free = self.inputs - self.relaid_inputs
-        return {self.nodes[node].storage_root for node in saved} - free
+        return {self.nodes[node].storage_root for node in saved} - self.free_inputs
 
 
 def classify(

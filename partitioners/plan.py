@@ -99,7 +99,7 @@ def build_plan(facts: GraphFacts, saved: list[fx.Node], solution: BudgetSolution
                 decision,
                 node_facts.nbytes,
                 reason,
-                is_input=node_facts.storage_root in facts.inputs - facts.relaid_inputs,
+                is_input=node_facts.storage_root in facts.free_inputs,
             )
         )
     plan = Plan(decisions=tuple(decisions), saved_activation_bytes=activation_bytes(facts, saved))
