@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import itertools
 import time
 import warnings
 
@@ -274,9 +275,7 @@ class _Search:
         from most boundaries to fewest, until STALE_TO_STOP in a row have not
         lowered the estimated peak."""
         if not self._families:
-            stale = 0
-            while stale < STALE_TO_STOP and self._next_family():
-                stale = 0 if _lowers_peak(self._families) else stale + 1
+            _extend_until_stale(self._families, self._family_plans)
         return self._families
 
     def _next_family(self) -> bool:
@@ -290,15 +289,9 @@ class _Search:
         lowest-peak family at the rate where its peak is lowest (saving an op
         whose recompute needs a large working set can lower the peak)."""
         family = min(self.families(), key=_by_peak)
-        path, stale = [family], 0
-        for rate in self.rates:
-            if stale >= STALE_TO_STOP:
-                break
-            plan = self._cut(family.boundaries, rate)
-            if plan.saved_bytes >= optimal.saved_bytes:
-                break
-            path.append(plan)
-            stale = 0 if _lowers_peak(path) else stale + 1
+        path = [family]
+        plans = (self._cut(family.boundaries, rate) for rate in self.rates)
+        _extend_until_stale(path, itertools.takewhile(lambda p: p.saved_bytes < optimal.saved_bytes, plans))
         return min([optimal, *path], key=_by_peak)
 
     def fastest_within(self, target: int) -> BudgetSolution:
@@ -398,11 +391,17 @@ class _Search:
         )
 
 
-
 def _by_peak(solution: BudgetSolution) -> tuple[int, int]:
     return solution.estimated_peak_bytes, solution.saved_bytes
 
 
-def _lowers_peak(plans: list[BudgetSolution]) -> bool:
-    """Whether the last plan's estimated peak is below every earlier one's."""
-    return all(plans[-1].estimated_peak_bytes < p.estimated_peak_bytes for p in plans[:-1])
+def _extend_until_stale(plans: list[BudgetSolution], more) -> None:
+    """Append plans from the iterator ``more`` until STALE_TO_STOP in a row
+    have not lowered the estimated peak (``more`` stays resumable)."""
+    stale = 0
+    for plan in more:
+        lowers = all(plan.estimated_peak_bytes < p.estimated_peak_bytes for p in plans)
+        plans.append(plan)
+        stale = 0 if lowers else stale + 1
+        if stale >= STALE_TO_STOP:
+            return
