@@ -10,6 +10,11 @@ import torch.fx as fx
 from torch._functorch import partitioners as _torch_partitioners
 from torch._functorch._aot_autograd import utils as _aot_utils
 from torch._functorch._aot_autograd.graph_compile import is_opaque_node
+# Dynamo wraps an exception a backend raises in BackendCompilerFailed, whose
+# first line is "backend='...' raised:", except for ShortenTraceback and its
+# subclasses, which it re-raises as they are. Inductor's own set-up errors
+# (TritonMissing) derive from it for the same reason.
+from torch._dynamo.exc import ShortenTraceback
 from torch._functorch.compile_utils import fx_graph_cse, raise_getitems
 from torch._inductor.compile_fx import compile_fx
 from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_files
@@ -25,6 +30,7 @@ __all__ = [
     "CheckpointPolicy",
     "CustomPartitionerFn",
     "OpOverload",
+    "ShortenTraceback",
     "compile_fx",
     "cse",
     "default_store",
@@ -143,3 +149,4 @@ def inductor_relayouts_convolutions(gm: fx.GraphModule) -> bool:
         return bool(GraphLowering.decide_layout_opt(gm, is_inference=False))
     except Exception:  # a heuristic's internals changed: assume no copies
         return False
+

@@ -76,45 +76,97 @@ class MemoryBudget:
         return f"{self.nbytes} bytes"
 
 
+def _parse_bool(value, name: str) -> bool:
+    """A bool, or one of the words the environment accepts ("false" -> False)."""
+    if isinstance(value, bool):
+        return value
+    word = value.strip().lower() if isinstance(value, str) else None
+    if word in _TRUE_WORDS:
+        return True
+    if word in _FALSE_WORDS:
+        return False
+    raise ConfigError(
+        f"{name}={value!r} is not a boolean; use one of "
+        f"{', '.join(_TRUE_WORDS)} or {', '.join(_FALSE_WORDS)} (or a Python bool)"
+    )
+
+
+def _parse_folder(value, name: str) -> str | None:
+    """A folder path (str or os.PathLike) kept as a str; empty or None: no folder."""
+    if value is None:
+        return None
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if not isinstance(value, str):
+        raise ConfigError(
+            f"{name}={value!r} is not a folder path; use a str or pathlib.Path "
+            "(or None for no reports)"
+        )
+    return value.strip() or None
+
+
+def _parse_budget(value, name: str) -> MemoryBudget | None:
+    return None if value is None else MemoryBudget.parse(value, name=name)
+
+
+def _parse_device_profile(value, name: str) -> str | None:
+    """A name from partitioners.cost.DEVICE_PROFILES, in any case ("H100" -> "h100")."""
+    from .cost import DEVICE_PROFILES  # cost imports torch; config stays light
+
+    if value is None:
+        return None
+    key = value.strip().lower() if isinstance(value, str) else None
+    if key not in DEVICE_PROFILES:
+        raise ConfigError(
+            f"{name}={value!r} is unknown; use one of "
+            f"{', '.join(DEVICE_PROFILES)} (any case), or leave it unset for the graph's device"
+        )
+    return key
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
     """Settings of the ckpt partitioner.
 
-    Build one with ``Config.from_env()`` (reads ``CKPT_*`` variables) or
-    directly; every field has a safe default.
+    Build one with ``Config.from_env()`` (reads ``CKPT_*`` variables),
+    ``Config.from_mapping({...})`` or directly; every field has a safe default.
+    Every field is checked when the Config is made: a value ckpt cannot use is
+    a ConfigError naming the field (or the variable) and the accepted forms.
     """
 
-    strict: bool = False
+    strict: bool = dataclasses.field(default=False, metadata={"parse": _parse_bool})
     """Raise when the partitioner fails instead of warning and falling back to
-    PyTorch's partitioner. For tests and debugging (``CKPT_STRICT``)."""
+    PyTorch's partitioner. For tests and debugging (``CKPT_STRICT``). Strings
+    are read as the environment's are: ``"false"`` is False."""
 
-    report_dir: str | None = dataclasses.field(default=None, metadata={"env": "CKPT_REPORT"})
+    report_dir: str | None = dataclasses.field(
+        default=None, metadata={"env": "CKPT_REPORT", "parse": _parse_folder}
+    )
     """Folder to write a report (markdown and JSON) for every graph compiled
-    (``CKPT_REPORT``). Reports compare each decision with PyTorch's
-    partitioner; graphs are then not served from Inductor's cache."""
+    (``CKPT_REPORT``); a str or pathlib.Path. Reports compare each decision with
+    PyTorch's partitioner; graphs are then not served from Inductor's cache."""
 
-    memory_budget: MemoryBudget | None = None
+    memory_budget: MemoryBudget | None = dataclasses.field(
+        default=None, metadata={"parse": _parse_budget}
+    )
     """Bytes of activations each compiled graph may save for backward
     (``CKPT_MEMORY_BUDGET``): a fraction ``0.0``..``1.0`` of the runtime-optimal
     plan's saved bytes, or bytes such as ``512MiB``, ``2GB``, ``1.5e9``. Within
     it ckpt picks the plan with the least estimated recompute time. None: the
     runtime-optimal plan. Strings and numbers given here are parsed alike."""
 
-    device_profile: str | None = None
+    device_profile: str | None = dataclasses.field(
+        default=None, metadata={"parse": _parse_device_profile}
+    )
     """Device whose speed the recompute cost model assumes (``CKPT_DEVICE_PROFILE``):
-    one of partitioners.cost.DEVICE_PROFILES. None: from the graph's device."""
+    one of partitioners.cost.DEVICE_PROFILES, in any case. None: from the graph's device."""
 
     def __post_init__(self):
-        if self.memory_budget is not None:
-            object.__setattr__(self, "memory_budget", MemoryBudget.parse(self.memory_budget))
-        if self.device_profile is not None:
-            from .cost import DEVICE_PROFILES  # cost imports torch; config stays light
-
-            if self.device_profile not in DEVICE_PROFILES:
-                raise ConfigError(
-                    f"device_profile={self.device_profile!r} is unknown; "
-                    f"use one of {', '.join(DEVICE_PROFILES)}"
-                )
+        # One parser per field serves both the constructor and the environment,
+        # so "false" means the same in make_backend(strict="false") and CKPT_STRICT.
+        for field in dataclasses.fields(self):
+            value = field.metadata["parse"](getattr(self, field.name), field.name)
+            object.__setattr__(self, field.name, value)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "Config":
@@ -133,18 +185,35 @@ class Config:
                     stacklevel=2,
                 )
                 continue
-            values[field.name] = _parse(variable, text, field.type)
+            if not text.strip() and field.default is None:
+                continue  # an empty variable leaves an optional setting unset
+            # Parsed here under the variable's name, so an error names CKPT_...
+            values[field.name] = field.metadata["parse"](text, variable)
+        return cls(**values)
+
+    @classmethod
+    def from_mapping(cls, values: Mapping) -> "Config":
+        """A Config from field names and values (``{"strict": True}``); an
+        unknown name is a ConfigError listing the valid ones."""
+        _check_names(values)
         return cls(**values)
 
     def replace(self, **overrides) -> "Config":
         """A copy with some fields changed; an unknown field name is a clear error."""
-        names = {f.name for f in dataclasses.fields(self)}
-        unknown = sorted(set(overrides) - names)
-        if unknown:
-            raise ConfigError(
-                f"unknown ckpt setting(s) {unknown}; valid settings: {sorted(names)}"
-            )
+        _check_names(overrides)
         return dataclasses.replace(self, **overrides)
+
+
+def as_config(value) -> Config:
+    """``value`` as a Config: a Config itself, or a Mapping of field names."""
+    if isinstance(value, Config):
+        return value
+    if isinstance(value, Mapping):
+        return Config.from_mapping(value)
+    raise ConfigError(
+        f"config={value!r} is not a ckpt config; pass a ckpt.Config, a dict of "
+        f"its fields ({', '.join(_field_names())}), or None for the CKPT_* environment"
+    )
 
 
 def env_variable(field: dataclasses.Field) -> str:
@@ -152,19 +221,12 @@ def env_variable(field: dataclasses.Field) -> str:
     return field.metadata.get("env", ENV_PREFIX + field.name.upper())
 
 
-def _parse(variable: str, text: str, type_name: str):
-    if type_name == "bool":
-        word = text.strip().lower()
-        if word in _TRUE_WORDS:
-            return True
-        if word in _FALSE_WORDS:
-            return False
-        raise ConfigError(
-            f"{variable}={text!r} is not a boolean; use one of "
-            f"{', '.join(_TRUE_WORDS)} or {', '.join(_FALSE_WORDS)}"
-        )
-    if type_name == "str | None":
-        return text.strip() or None
-    if type_name == "MemoryBudget | None":
-        return MemoryBudget.parse(text, name=variable) if text.strip() else None
-    raise AssertionError(f"no parser for settings of type {type_name}")
+def _field_names() -> list[str]:
+    return sorted(f.name for f in dataclasses.fields(Config))
+
+
+def _check_names(values: Mapping) -> None:
+    names = _field_names()
+    unknown = sorted(map(str, set(values) - set(names)))
+    if unknown:
+        raise ConfigError(f"unknown ckpt setting(s) {unknown}; valid settings: {names}")

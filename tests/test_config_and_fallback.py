@@ -1,4 +1,6 @@
 """Config from the environment, the backend factory, cache keys and the fallback."""
+import pathlib
+
 import pytest
 import torch
 
@@ -73,3 +75,58 @@ def test_strict_mode_raises_the_partitioner_error(monkeypatch):
     compiled = torch.compile(MLP(depth=1, width=8), backend=make_backend(strict=True))
     with pytest.raises(Exception, match="injected failure"):
         compiled(torch.randn(4, 8))
+
+
+# --- every field checked when a Config is made ---------------------------------
+
+
+def test_bool_strings_read_as_the_environment_reads_them():
+    assert make_backend(strict="false").config.strict is False
+    assert make_backend(strict="Yes").config.strict is True
+    with pytest.raises(ConfigError, match=r"^strict='maybe' is not a boolean; use one of 1, true, yes, on or 0, false, no, off"):
+        make_backend(strict="maybe")
+    with pytest.raises(ConfigError, match=r"^strict=2 is not a boolean"):
+        Config(strict=2)
+
+
+def test_report_dir_must_be_a_path():
+    with pytest.raises(ConfigError, match=r"^report_dir=123 is not a folder path; use a str or pathlib.Path"):
+        make_backend(report_dir=123)
+    assert make_backend(report_dir=pathlib.Path("out")).config.report_dir == "out"
+    assert Config(report_dir="").report_dir is None
+
+
+def test_config_may_be_a_mapping_of_fields():
+    assert make_backend(config={"strict": True}).config == Config(strict=True)
+    assert make_backend(config={"memory_budget": "0.5"}, strict=True).config == Config(memory_budget=0.5, strict=True)
+    with pytest.raises(ConfigError, match=r"unknown ckpt setting\(s\) \['strikt'\]; valid settings: \['device_profile'"):
+        make_backend(config={"strikt": True})
+    with pytest.raises(ConfigError, match=r"^config=42 is not a ckpt config; pass a ckpt.Config, a dict of its fields"):
+        make_backend(config=42)
+
+
+def test_device_profile_any_case_and_errors_name_field_or_variable():
+    assert Config(device_profile="H100").device_profile == "h100"
+    assert Config.from_env({"CKPT_DEVICE_PROFILE": " H200 "}).device_profile == "h200"
+    assert Config.from_env({"CKPT_DEVICE_PROFILE": "", "CKPT_REPORT": " "}) == Config()
+    with pytest.raises(ConfigError, match=r"^CKPT_DEVICE_PROFILE='abc' is unknown; use one of cpu, h100, h200"):
+        Config.from_env({"CKPT_DEVICE_PROFILE": "abc"})
+    with pytest.raises(ConfigError, match=r"^device_profile='abc' is unknown; use one of cpu, h100, h200 \(any case\)"):
+        make_backend(device_profile="abc")
+    with pytest.raises(ConfigError, match=r"^CKPT_MEMORY_BUDGET='lots' is not a memory budget"):
+        Config.from_env({"CKPT_MEMORY_BUDGET": "lots"})
+
+
+def test_bad_variable_at_compile_time_is_the_first_line_not_dynamos_wrapper(monkeypatch):
+    # Dynamo wraps a backend's exceptions in BackendCompilerFailed ("backend=... raised:");
+    # ckpt's setting errors pass through it, so the user reads the variable first.
+    monkeypatch.setenv("CKPT_STRICT", "maybe")
+    torch._dynamo.reset()
+    compiled = torch.compile(MLP(depth=1, width=8), backend="ckpt")
+    with pytest.raises(ConfigError) as caught:
+        compiled(torch.randn(4, 8))
+    assert not isinstance(caught.value, torch._dynamo.exc.BackendCompilerFailed)
+    first_line = str(caught.value).splitlines()[0]
+    assert first_line.startswith("CKPT_STRICT='maybe' is not a boolean; use one of 1, true, yes, on or 0, false, no, off")
+    torch._dynamo.reset()
+
