@@ -1,6 +1,7 @@
 """The torch.compile backend: Inductor with ckpt's partitioner."""
 from __future__ import annotations
 
+import difflib
 import inspect
 from collections.abc import Mapping
 
@@ -9,10 +10,13 @@ from partitioners.config import Config, ConfigError, as_config
 from partitioners.partition import CkptPartitioner
 from partitioners.plan import Plan
 
+PARTITIONER_OPTION = "custom_partitioner_fn"
+"""The Inductor option through which ckpt plugs in; ckpt sets it itself."""
+
 
 class CompileTimeConfigError(ConfigError, compat.ShortenTraceback):
     """A ConfigError found while Dynamo compiles a graph: a bad ``CKPT_*``
-    variable.
+    variable, or a torch.compile mode or option Inductor rejects.
 
     Dynamo re-raises this class as it is instead of wrapping it in
     BackendCompilerFailed, so the message is the first line the user reads.
@@ -43,18 +47,61 @@ class CkptBackend:
         # variable set after import still takes effect.
         return self._config if self._config is not None else Config.from_env()
 
-    def __call__(self, gm, example_inputs):
+    def __call__(self, gm, example_inputs, *, mode: str | None = None, options: Mapping | None = None):
+        """Compile ``gm`` with Inductor and ckpt's partitioner.
+
+        ``mode`` and ``options`` are torch.compile's: torch.compile passes them
+        on when they are set, and they are applied as Inductor applies them.
+        """
         try:
             config = self.config
+            patches = inductor_patches(mode, options)
         except ConfigError as error:
             # Raised here, a setting error would reach the user as the second
             # line of Dynamo's BackendCompilerFailed; this class passes through.
             raise CompileTimeConfigError(str(error), inspect.currentframe()) from None
         partitioner = CkptPartitioner(config, on_plan=self.plans.append, on_report=self.reports.append)
-        return compat.compile_fx(gm, example_inputs, config_patches={"custom_partitioner_fn": partitioner})
+        return compat.compile_fx(
+            gm, example_inputs, config_patches={**patches, PARTITIONER_OPTION: partitioner}
+        )
 
     def __repr__(self) -> str:
         return f"CkptBackend({self._config!r})"
+
+
+def inductor_patches(mode: str | None, options: Mapping | None) -> dict:
+    """The Inductor config for torch.compile's ``mode`` and ``options``, as
+    ``backend="inductor"`` would apply them: the same mode presets, option
+    names and type checks. Anything Inductor rejects is a ConfigError."""
+    if options is not None and not isinstance(options, Mapping):
+        raise ConfigError(
+            f"torch.compile(options={options!r}) is not a dict; pass Inductor option "
+            "names and values, e.g. options={'max_autotune': True}"
+        )
+    options = dict(options or {})
+    names = {key: str(key).replace("-", "_") for key in options}  # Inductor's spelling rule
+    known = set(compat.inductor_option_names())
+    for key, name in names.items():
+        if name not in known:
+            raise ConfigError(_unknown_option_message(key, name, known))
+        if name == PARTITIONER_OPTION:
+            raise ConfigError(
+                f"torch.compile(options={{{key!r}: ...}}) cannot be combined with backend='ckpt': "
+                "ckpt is the partitioner and sets it itself; use backend='inductor' for your own"
+            )
+    try:
+        return compat.inductor_config_patches(mode, options)
+    except RuntimeError as error:  # Inductor's own checks: an unknown mode, a value of the wrong type
+        raise ConfigError(f"torch.compile(mode={mode!r}, options=...) with backend='ckpt': {error}") from None
+
+
+def _unknown_option_message(key, name: str, known: set[str]) -> str:
+    close = difflib.get_close_matches(name, sorted(known), n=3)
+    hint = f" (did you mean {', '.join(map(repr, close))}?)" if close else ""
+    return (
+        f"torch.compile(options={{{key!r}: ...}}): {key!r} is not an Inductor option{hint}; "
+        "torch._inductor.list_options() lists them (backend='inductor' rejects it too)"
+    )
 
 
 def make_backend(config: Config | Mapping | None = None, **overrides) -> CkptBackend:

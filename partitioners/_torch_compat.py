@@ -37,6 +37,8 @@ __all__ = [
     "extract_forward_backward",
     "get_hash_for_files",
     "hint_int",
+    "inductor_config_patches",
+    "inductor_option_names",
     "is_bwd_seed_offset",
     "is_fwd_seed_offset",
     "is_opaque_node",
@@ -150,3 +152,20 @@ def inductor_relayouts_convolutions(gm: fx.GraphModule) -> bool:
     except Exception:  # a heuristic's internals changed: assume no copies
         return False
 
+
+def inductor_config_patches(mode: str | None, options: dict | None) -> dict:
+    """The Inductor config changes that torch.compile(mode=..., options=...)
+    makes for backend="inductor": its preset table for ``mode``, its checks of
+    option names and types (RuntimeError, as Inductor raises it).
+
+    torch.compile builds ``torch._TorchCompileInductorWrapper`` for Inductor;
+    a custom backend gets the raw arguments, so ckpt builds the same wrapper.
+    """
+    return dict(torch._TorchCompileInductorWrapper(mode, options, dynamic=None).config)
+
+
+def inductor_option_names() -> list[str]:
+    """Every name torch.compile(options=...) accepts (``torch._inductor.list_options``)."""
+    import torch._inductor
+
+    return torch._inductor.list_options()

@@ -1,4 +1,5 @@
-"""Config from the environment, the backend factory, cache keys and the fallback."""
+"""Config from the environment, the backend factory, torch.compile's mode and
+options, cache keys and the fallback."""
 import pathlib
 
 import pytest
@@ -7,6 +8,8 @@ import torch
 import partitioners.partition as partition_module
 from bench.models import MLP
 from ckpt import Config, ConfigError, ckpt_backend, make_backend
+from ckpt.backend import inductor_patches
+from partitioners import _torch_compat as compat
 from partitioners.mincut import PartitionError
 from partitioners.partition import CkptPartitioner
 
@@ -130,3 +133,72 @@ def test_bad_variable_at_compile_time_is_the_first_line_not_dynamos_wrapper(monk
     assert first_line.startswith("CKPT_STRICT='maybe' is not a boolean; use one of 1, true, yes, on or 0, false, no, off")
     torch._dynamo.reset()
 
+
+# --- torch.compile's mode= and options= ----------------------------------------
+
+
+def _spy_on_inductor(monkeypatch) -> list[dict]:
+    patches = []
+    real_compile_fx = compat.compile_fx
+
+    def compile_fx(gm, example_inputs, config_patches):
+        patches.append(config_patches)
+        return real_compile_fx(gm, example_inputs, config_patches=config_patches)
+
+    monkeypatch.setattr(compat, "compile_fx", compile_fx)
+    return patches
+
+
+@pytest.mark.parametrize(
+    "compile_kwargs",
+    [{"mode": "max-autotune-no-cudagraphs"}, {"options": {"max_autotune": True}}],
+    ids=["mode", "options"],
+)
+def test_torch_compile_mode_and_options_apply_on_top_of_ckpt(monkeypatch, compile_kwargs):
+    patches = _spy_on_inductor(monkeypatch)
+    torch.manual_seed(0)
+    model, x = MLP(depth=2, width=16), torch.randn(8, 16)
+    compiled_model = MLP(depth=2, width=16)
+    compiled_model.load_state_dict(model.state_dict())
+    backend = make_backend(Config(), strict=True)
+    torch._dynamo.reset()
+    torch.compile(compiled_model, backend=backend, **compile_kwargs)(x).backward()
+    torch._dynamo.reset()
+    model(x).backward()
+    (patch,) = patches
+    assert patch["max_autotune"] is True
+    assert isinstance(patch["custom_partitioner_fn"], partition_module.CkptPartitioner)
+    assert len(backend.plans) == 1 and backend.plans[0].fallback is None
+    # float32, 2 blocks of width 16: Inductor's fused kernels reorder sums (as in the fallback test).
+    for got, want in zip(compiled_model.parameters(), model.parameters()):
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_mode_presets_are_inductors():
+    assert inductor_patches("max-autotune-no-cudagraphs", None) == torch._inductor.list_mode_options(
+        "max-autotune-no-cudagraphs"
+    )
+    assert inductor_patches(None, {"max-autotune": True}) == {"max_autotune": True}
+    assert inductor_patches(None, None) == {}
+
+
+def test_unknown_option_is_rejected_at_the_first_compile():
+    torch._dynamo.reset()
+    compiled = torch.compile(MLP(depth=1, width=8), backend=make_backend(Config()), options={"max_autotun": True})
+    with pytest.raises(ConfigError) as caught:
+        compiled(torch.randn(4, 8))
+    first_line = str(caught.value).splitlines()[0]
+    assert first_line.startswith(
+        "torch.compile(options={'max_autotun': ...}): 'max_autotun' is not an Inductor option "
+        "(did you mean 'max_autotune'"
+    )
+    torch._dynamo.reset()
+
+
+def test_bad_mode_and_option_types_get_inductors_error():
+    with pytest.raises(ConfigError, match=r"Unrecognized mode=fast, should be one of: default, lite"):
+        inductor_patches("fast", None)
+    with pytest.raises(ConfigError, match=r"Unexpected type of attr max_autotune, got str should be bool"):
+        inductor_patches(None, {"max_autotune": "yes"})
+    with pytest.raises(ConfigError, match=r"ckpt is the partitioner and sets it itself"):
+        inductor_patches(None, {"custom_partitioner_fn": None})
