@@ -215,3 +215,57 @@ def _forward_graph(facts, names, decisions) -> dict:
         if arg in facts.forward
     ]
     return {"nodes": nodes, "edges": edges}
+
+
+
+_JSON_NAMES = {dict: "object", list: "array", str: "string", int: "number", float: "number", bool: "boolean", type(None): "null"}
+_REPORT_KEYS = ("fallback", "values", "totals", "forward_graph")
+_ROW_FIELDS = {"name": str, "op": str, "bytes": int, "ckpt": str, "pytorch": str}
+_TOTALS_READ = ("ckpt_saved_bytes", "pytorch_saved_bytes")  # what passes/diff.py reads
+_DECISIONS = (SAVED, RECOMPUTED, NOT_KEPT)
+
+
+def shape_problem(report) -> str | None:
+    """What keeps parsed JSON from being a report ``build_report`` wrote, in
+    the parts the diff and the SVG read; None if nothing. A fallback report
+    has no decisions and is not checked further."""
+    if not isinstance(report, dict):
+        return f"it holds a JSON {_JSON_NAMES.get(type(report), 'value')}, not a report object"
+    if report.get("fallback"):
+        return None
+    missing = [key for key in _REPORT_KEYS if key not in report]
+    if missing:
+        return f"it has no {', '.join(map(repr, missing))} key(s)"
+    if not isinstance(report["values"], list) or not all(map(_is_row, report["values"])):
+        return f"'values' is not a list of objects with {', '.join(_ROW_FIELDS)}, decisions one of {_DECISIONS}"
+    totals = report["totals"]
+    if not isinstance(totals, dict) or not all(isinstance(totals.get(k), int) for k in _TOTALS_READ):
+        return f"'totals' lacks the integers {' and '.join(_TOTALS_READ)}"
+    if not _is_forward_graph(report["forward_graph"]):
+        return "'forward_graph' is not {'nodes': [[name, decision, bytes], ...], 'edges': [[name, name], ...]}"
+    return None
+
+
+def _is_row(row) -> bool:
+    return (
+        isinstance(row, dict)
+        and all(isinstance(row.get(key), kind) for key, kind in _ROW_FIELDS.items())
+        and row["ckpt"] in _DECISIONS
+        and row["pytorch"] in _DECISIONS
+    )
+
+
+def _is_forward_graph(graph) -> bool:
+    if not isinstance(graph, dict):
+        return False
+    nodes, edges = graph.get("nodes"), graph.get("edges")
+    return (
+        isinstance(nodes, list)
+        and isinstance(edges, list)
+        and all(_is_list_of(n, str, str, int) and n[1] in _DECISIONS for n in nodes)
+        and all(_is_list_of(e, str, str) for e in edges)
+    )
+
+
+def _is_list_of(item, *kinds) -> bool:
+    return isinstance(item, list) and len(item) == len(kinds) and all(map(isinstance, item, kinds))

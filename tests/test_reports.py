@@ -150,3 +150,43 @@ def test_cli_on_a_fallback_report_says_there_are_no_decisions(tmp_path, capsys):
         assert "ckpt fell back to PyTorch's partitioner for that graph (PartitionError: no finite cut)" in (
             capsys.readouterr().err
         )
+
+
+_NOT_REPORTS = {
+    "empty object": (b"{}", "is not a ckpt report: it has no 'fallback', 'values', 'totals', 'forward_graph' key(s)"),
+    "array": (b"[1, 2]", "is not a ckpt report: it holds a JSON array, not a report object"),
+    "truncated": (b'{"fallback": null, "values": [{"name": "a"', "is not valid JSON (Expecting ',' delimiter at line 1"),
+    "not UTF-8": (b'{"fallback": "\xff"}', "is not UTF-8 text (invalid start byte at byte 14)"),
+    "rows of another shape": (
+        json.dumps({"fallback": None, "values": [{"name": "x"}], "totals": {}, "forward_graph": {}}).encode(),
+        "is not a ckpt report: 'values' is not a list of objects with name, op, bytes, ckpt, pytorch",
+    ),
+    "graph of another shape": (
+        json.dumps({
+            "fallback": None, "values": [], "totals": {"ckpt_saved_bytes": 0, "pytorch_saved_bytes": 0},
+            "forward_graph": {"nodes": [["x", "kept", 4]], "edges": []},
+        }).encode(),
+        "is not a ckpt report: 'forward_graph' is not {'nodes': [[name, decision, bytes], ...]",
+    ),
+}
+
+
+@pytest.mark.parametrize("command", ["diff", "svg"])
+@pytest.mark.parametrize("case", list(_NOT_REPORTS))
+def test_cli_rejects_what_is_not_a_report_in_one_line(tmp_path, capsys, command, case):
+    content, reason = _NOT_REPORTS[case]
+    path = tmp_path / "input.json"
+    path.write_bytes(content)
+    assert ckpt_cli([command, str(path)]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.count("\n") == 1 and err.startswith(f"ckpt: {path} ")
+    assert reason in err
+
+
+def test_cli_names_the_bad_file_of_two(gpt_run, tmp_path, capsys):
+    folder, report, _ = gpt_run
+    good, missing = folder / f"{report['graph']}.json", tmp_path / "missing.json"
+    assert ckpt_cli(["diff", str(good), str(missing)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == f"ckpt: cannot read {missing}: No such file or directory\n"
