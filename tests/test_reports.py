@@ -1,5 +1,7 @@
 """Reports, golden files, diffs and pictures."""
+import collections
 import copy
+import dataclasses
 import json
 
 import pytest
@@ -10,7 +12,7 @@ from bench.measure import count_saved_bytes
 from bench.models import GPT, MLP, ConvNet, GPTConfig, gpt_batch
 from ckpt import Config, make_backend
 from ckpt.__main__ import main as ckpt_cli
-from ckpt.pytest_plugin import compare_with_golden, render_reports
+from ckpt.pytest_plugin import compare_with_golden, render_reports, training_loss
 from partitioners.partition import CkptPartitioner
 from passes import graph_svg
 from passes.report import render_markdown, write_report
@@ -190,3 +192,53 @@ def test_cli_names_the_bad_file_of_two(gpt_run, tmp_path, capsys):
     assert ckpt_cli(["diff", str(good), str(missing)]) == 2
     out, err = capsys.readouterr()
     assert out == "" and err == f"ckpt: cannot read {missing}: No such file or directory\n"
+
+
+
+@dataclasses.dataclass
+class _Output:
+    logits: torch.Tensor
+    loss: torch.Tensor | None = None
+
+
+_Pair = collections.namedtuple("_Pair", ["loss", "logits"])
+
+
+def test_training_loss_rule():
+    x = torch.randn(3, requires_grad=True)
+    loss = (x * 2).sum()
+    labels = torch.arange(3)  # an int tensor: never part of the loss
+    assert training_loss(loss) is loss
+    torch.testing.assert_close(training_loss(x), x.sum())
+    assert training_loss({"loss": loss, "logits": x}) is loss  # a "loss" key wins (ModelOutput too)
+    assert training_loss(_Output(logits=x, loss=loss)) is loss  # so does a loss attribute
+    assert training_loss(_Pair(loss, x)) is loss
+    # Otherwise every floating tensor, through tuples, dicts and dataclasses.
+    torch.testing.assert_close(training_loss((x, labels, {"y": [x * 3]})), x.sum() * 4)
+    torch.testing.assert_close(training_loss(_Output(logits=x)), x.sum())
+    assert training_loss((x, loss), loss_fn=lambda out: out[1]) is loss  # loss_fn wins over all
+
+
+def test_training_loss_without_a_differentiable_tensor_says_how_to_pass_loss_fn():
+    with pytest.raises(TypeError, match=r"returned tuple with no floating-point tensor that requires grad.*loss_fn=lambda output"):
+        training_loss((torch.arange(3), torch.zeros(2)))
+
+
+class _Returns(torch.nn.Module):
+    """Wraps a model whose output is a tensor and returns it as ``shape`` does."""
+
+    def __init__(self, inner, shape):
+        super().__init__()
+        self.inner, self.shape = inner, shape
+
+    def forward(self, x):
+        y = self.inner(x)
+        return {"tuple": (y,), "dict": {"out": y}, "tensor": y}[self.shape]
+
+
+def test_golden_reports_of_tuple_and_dict_outputs_match_the_tensors():
+    torch.manual_seed(0)
+    inner, x = MLP(depth=1, width=8), torch.randn(4, 8)
+    texts = {shape: render_reports(_Returns(inner, shape), x) for shape in ("tensor", "tuple", "dict")}
+    assert texts["tensor"].startswith("# ckpt report")
+    assert texts["tuple"] == texts["tensor"] and texts["dict"] == texts["tensor"]
