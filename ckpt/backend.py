@@ -5,6 +5,8 @@ import difflib
 import inspect
 from collections.abc import Mapping
 
+import torch
+
 from partitioners import _torch_compat as compat
 from partitioners.config import Config, ConfigError, as_config
 from partitioners.partition import CkptPartitioner
@@ -56,6 +58,7 @@ class CkptBackend:
         try:
             config = self.config
             patches = inductor_patches(mode, options)
+            check_peak_auto(config, example_inputs)
         except ConfigError as error:
             # Raised here, a setting error would reach the user as the second
             # line of Dynamo's BackendCompilerFailed; this class passes through.
@@ -67,6 +70,21 @@ class CkptBackend:
 
     def __repr__(self) -> str:
         return f"CkptBackend({self._config!r})"
+
+
+def check_peak_auto(config: Config, example_inputs) -> None:
+    """``peak:auto`` plans for a CUDA device's free memory: anywhere else it
+    is a setting error, raised before Inductor starts."""
+    budget = config.memory_budget
+    if budget is None or not budget.peak_auto:
+        return
+    devices = {t.device.type for t in example_inputs if isinstance(t, torch.Tensor)}
+    if "cuda" not in devices:
+        raise ConfigError(
+            "memory_budget='peak:auto' needs a CUDA device (it plans for the device's free "
+            f"memory); this graph runs on {', '.join(sorted(devices)) or 'no device'}. Give the "
+            "peak in bytes instead, e.g. CKPT_MEMORY_BUDGET=peak:6GiB"
+        )
 
 
 def inductor_patches(mode: str | None, options: Mapping | None) -> dict:

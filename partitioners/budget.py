@@ -12,7 +12,7 @@ Two knobs shape a plan, each searched with the minimum cut of mincut.py:
   values repeat (a stack of identical blocks), boundaries sit at the same
   place in every block, or every second, third... block; elsewhere they
   split the forward into equal bytes. The family the budget moves along is
-  the one with the lowest estimated backward peak (liveness.py).
+  the one with the lowest predicted step peak (peak.py).
 - A price on recomputing heavy ops (matmuls, attention, shrinking
   reductions): ``rate x estimated runtime`` in bytes. The cut then minimizes
   ``saved bytes + rate x recompute time``; a lower rate recomputes more and
@@ -35,9 +35,9 @@ import torch
 import torch.fx as fx
 
 from .classify import GraphFacts
-from .config import MemoryBudget
+from .config import ConfigError, MemoryBudget
 from .cost import DeviceProfile, estimate_runtime_s
-from .liveness import estimate_backward_peak
+from .peak import PeakEstimate, estimate_step_peak
 from .mincut import build_flow_graph, byte_scale, solve
 from .ops import OpCategory
 from .plan import activation_bytes, recomputed_nodes
@@ -58,6 +58,9 @@ HALVING = 2
 # count: saved boundaries against segment working sets). The same holds
 # along the recompute rates.
 STALE_TO_STOP = 2
+# Under a peak budget, the rate search runs on this many of the fitting
+# families, those of lowest peak (three keep the solve within PyTorch's time).
+FAMILIES_TRIED = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +77,7 @@ class BudgetSolution:
     priced_recomputed: frozenset[fx.Node] = frozenset()
     """Heavy ops recomputed because of the budget."""
     estimated_peak_bytes: int = 0
+    peak: PeakEstimate | None = None
     recompute_time_s: float = 0.0
     """Estimated runtime of the heavy ops recomputed because of the budget."""
     fits: bool = True
@@ -82,23 +86,30 @@ class BudgetSolution:
 
 
 def solve_with_budget(
-    facts: GraphFacts, budget: MemoryBudget | None, profile: DeviceProfile
+    facts: GraphFacts, budget: MemoryBudget | None, profile: DeviceProfile,
+    peak_target: int | None = None,
 ) -> BudgetSolution:
     """The saved set for ``budget`` (None: the runtime-optimal one).
 
     A byte budget is a hard limit. A fraction never goes below the plan of
     lowest estimated peak: saving less than that plan would only raise the
-    peak (the non-monotone budget PyTorch users report).
+    peak (the non-monotone budget PyTorch users report). A peak budget takes
+    the fastest plan whose predicted step peak is at most ``peak_target``
+    (``resolve_peak_target`` turns ``peak:auto`` into bytes).
     """
     start = time.perf_counter()
     saved = solve(build_flow_graph(facts))
+    peak = estimate_step_peak(facts, saved)
     optimal = BudgetSolution(
         saved=tuple(saved),
         target_bytes=0,
         saved_bytes=activation_bytes(facts, saved),
         optimal_bytes=0,
-        estimated_peak_bytes=estimate_backward_peak(facts, saved),
+        estimated_peak_bytes=peak.step_bytes,
+        peak=peak,
     )
+    if budget is not None and budget.is_peak:
+        return _solve_for_peak(facts, budget, profile, optimal, peak_target, start)
     target = _target_bytes(budget, optimal.saved_bytes)
     if target >= optimal.saved_bytes:  # no budget, or one the fastest plan fits
         return dataclasses.replace(
@@ -126,6 +137,69 @@ def solve_with_budget(
         cuts=search.cuts + 1,
         solve_time_s=time.perf_counter() - start,
     )
+
+
+def _solve_for_peak(facts, budget, profile, optimal: BudgetSolution, target: int | None, start: float):
+    """The fastest plan whose predicted step peak fits ``target``; if none
+    does, the plan of lowest predicted peak, with a warning."""
+    if target is None:
+        target = budget.peak_bytes
+    solution, cuts = optimal, 1
+    if optimal.estimated_peak_bytes > target:
+        search = _Search(facts, profile)
+        solution = search.fastest_under_peak(target)
+        if solution is None:
+            solution = dataclasses.replace(search.lowest_peak(optimal), fits=False)
+            warnings.warn(
+                f"ckpt: no plan of this graph fits the peak budget {budget} ({target} bytes); "
+                f"the lowest predicted step peak is {solution.estimated_peak_bytes} bytes, "
+                "using that plan",
+                stacklevel=3,
+            )
+        cuts += search.cuts
+    return dataclasses.replace(
+        solution,
+        target_bytes=target,
+        optimal_bytes=optimal.saved_bytes,
+        cuts=cuts,
+        solve_time_s=time.perf_counter() - start,
+    )
+
+
+# peak:auto leaves this share of the device's free memory unplanned: the
+# caching allocator's rounding and fragmentation, and library workspaces
+# (cuBLAS, NCCL) that the peak model does not see.
+PEAK_AUTO_MARGIN = 0.10
+# ... and rounds the target down to this, so that ranks whose free memory
+# differs by a few MiB still decide alike.
+PEAK_AUTO_ROUNDING = 256 * 2**20
+
+
+def resolve_peak_target(budget: MemoryBudget | None, graph: fx.Graph) -> int | None:
+    """Bytes a peak budget allows this graph's step; None for other budgets.
+    ``peak:auto`` reads the CUDA device's free memory now, less PEAK_AUTO_MARGIN."""
+    if budget is None or not budget.is_peak:
+        return None
+    if not budget.peak_auto:
+        return budget.peak_bytes
+    device = _graph_device(graph)
+    if device is None or device.type != "cuda":
+        raise ConfigError(
+            "memory_budget='peak:auto' needs a CUDA device (it plans for the device's free "
+            f"memory); this graph runs on {device or 'no device'}. Give the peak in bytes "
+            "instead, e.g. CKPT_MEMORY_BUDGET=peak:6GiB"
+        )
+    free, _ = torch.cuda.mem_get_info(device)
+    target = int(free * (1 - PEAK_AUTO_MARGIN))
+    return max(target // PEAK_AUTO_ROUNDING * PEAK_AUTO_ROUNDING, 0)
+
+
+def _graph_device(graph: fx.Graph) -> torch.device | None:
+    for node in graph.nodes:
+        value = node.meta.get("val")
+        if isinstance(value, torch.Tensor):
+            return value.device
+    return None
 
 
 def _target_bytes(budget: MemoryBudget | None, optimal_bytes: int) -> int:
@@ -304,7 +378,22 @@ class _Search:
         if not fitting:
             return dataclasses.replace(min(self._families, key=lambda s: s.saved_bytes), fits=False)
         family = min(fitting, key=_by_peak)
-        return self._fastest_rate(family.boundaries, target, family)
+        return self._fastest_rate(family.boundaries, lambda s: s.saved_bytes <= target, family)
+
+    def fastest_under_peak(self, target: int) -> BudgetSolution | None:
+        """The least recompute time whose predicted step peak is at most
+        ``target``: along the rates of the FAMILIES_TRIED fitting families of
+        lowest peak (the most headroom for saving heavy ops); None if no
+        family fits."""
+        fitting = sorted((f for f in self.families() if f.estimated_peak_bytes <= target), key=_by_peak)
+        if not fitting:
+            return None
+
+        def fits(solution: BudgetSolution) -> bool:
+            return solution.estimated_peak_bytes <= target
+
+        plans = [self._fastest_rate(f.boundaries, fits, f) for f in fitting[:FAMILIES_TRIED]]
+        return min(plans, key=lambda s: (s.recompute_time_s, s.estimated_peak_bytes))
 
     def _all_families(self):
         """Every family plan, most boundaries first, ending with none (lazily:
@@ -328,15 +417,16 @@ class _Search:
                 yield self._cut(periodic_boundaries(self.spine, run, phase, blocks), rate=0.0)
         yield self._cut([], rate=0.0)
 
-    def _fastest_rate(self, boundaries, target, cheapest: BudgetSolution) -> BudgetSolution:
-        """Binary search on the rate: the highest (least recompute) that fits,
-        then on how many of the ops the next rate would save can be saved."""
+    def _fastest_rate(self, boundaries, fits, cheapest: BudgetSolution) -> BudgetSolution:
+        """Binary search on the rate: the highest (least recompute) whose plan
+        ``fits``, then on how many of the ops the next rate would save can be
+        saved."""
         best, best_rate, over = cheapest, 0.0, None
         low, high = 0, len(self.rates) - 1
         while low <= high:
             middle = (low + high) // 2
             solution = self._cut(boundaries, rate=self.rates[middle])
-            if solution.saved_bytes <= target:
+            if fits(solution):
                 best, best_rate, low = solution, self.rates[middle], middle + 1
             else:
                 over, high = solution, middle - 1
@@ -349,19 +439,19 @@ class _Search:
         order = {node: i for i, node in enumerate(self.facts.nodes)}
         flips = sorted(best.priced_recomputed - over.priced_recomputed, key=order.__getitem__)
         candidates = [
-            self._most_saved_that_fit(boundaries, best_rate, target, keep_order)
+            self._most_saved_that_fit(boundaries, best_rate, fits, keep_order)
             for keep_order in (flips, flips[::-1])
         ]
         return min(candidates, key=lambda s: (s.estimated_peak_bytes, s.recompute_time_s))
 
-    def _most_saved_that_fit(self, boundaries, rate, target, keep_order) -> BudgetSolution:
-        """The longest prefix of ``keep_order`` that can stay saved within ``target``."""
+    def _most_saved_that_fit(self, boundaries, rate, fits, keep_order) -> BudgetSolution:
+        """The longest prefix of ``keep_order`` that can stay saved while the plan ``fits``."""
         best = None
         low, high = 1, len(keep_order)
         while low <= high:
             middle = (low + high) // 2
             solution = self._cut(boundaries, rate, keep=keep_order[:middle])
-            if solution.saved_bytes <= target:
+            if fits(solution):
                 best, low = solution, middle + 1
             else:
                 high = middle - 1
@@ -379,6 +469,7 @@ class _Search:
         }
         saved = solve(build_flow_graph(self.facts, price, boundaries))
         recomputed = frozenset(recomputed_nodes(self.facts, set(saved)) & self.runtime.keys())
+        peak = estimate_step_peak(self.facts, saved)
         return BudgetSolution(
             saved=tuple(saved),
             target_bytes=0,
@@ -386,7 +477,8 @@ class _Search:
             optimal_bytes=0,
             boundaries=frozenset(boundaries),
             priced_recomputed=recomputed,
-            estimated_peak_bytes=estimate_backward_peak(self.facts, saved),
+            estimated_peak_bytes=peak.step_bytes,
+            peak=peak,
             recompute_time_s=sum(self.runtime[node] for node in recomputed),
         )
 

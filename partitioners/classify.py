@@ -51,6 +51,8 @@ class GraphFacts:
     relaid_inputs: frozenset[fx.Node] = frozenset()
     """Inputs Inductor copies channels-last for a convolution: saved, it is
     the copy that backward keeps, so saving them costs bytes."""
+    forward_outputs: tuple[fx.Node, ...] = ()
+    """What forward returns to the caller (the loss, logits...)."""
 
     @property
     def free_inputs(self) -> frozenset[fx.Node]:
@@ -108,6 +110,7 @@ def classify(
         static_inputs=static_inputs,
         forced_saves=frozenset(_mutation_sources_repeated_in_backward(graph)),
         relaid_inputs=_relaid_inputs(joint_gm, inputs),
+        forward_outputs=tuple(forward_outputs),
     )
 
 

@@ -25,25 +25,44 @@ _BYTE_UNITS = {
 }
 _BUDGET_FORMS = (
     "a fraction 0.0..1.0 of the runtime-optimal saved bytes (1.0 = fastest plan, "
-    "0.0 = save as little as possible), or bytes such as 512MiB, 2GB, 1.5e9"
+    "0.0 = save as little as possible), bytes saved such as 512MiB, 2GB, 1.5e9, "
+    "or a step peak such as peak:6GiB or peak:auto"
 )
+PEAK_PREFIX = "peak:"
+# A bare number above 1 is a byte count only if it is a whole number of at
+# least this many bytes: 1.5 or 80 are typos for a fraction or a unit, and
+# read as bytes they would recompute every matmul without a word.
+MIN_BARE_BYTES = 1024
 
 
 @dataclasses.dataclass(frozen=True)
 class MemoryBudget:
-    """Bytes of activations one compiled graph may save for backward: a
-    ``fraction`` of the runtime-optimal plan's, or absolute ``nbytes``."""
+    """What one compiled graph may use: a ``fraction`` of the runtime-optimal
+    plan's saved bytes, absolute saved ``nbytes``, or a step peak
+    (``peak_bytes``, or ``peak_auto``: the CUDA device's free memory at compile
+    time less PEAK_AUTO_MARGIN)."""
 
     fraction: float | None = None
     nbytes: int | None = None
+    peak_bytes: int | None = None
+    """Bytes the training step may allocate above what is live before it
+    (parameters, optimizer state, inputs): ``peak:6GiB``."""
+    peak_auto: bool = False
+
+    @property
+    def is_peak(self) -> bool:
+        return self.peak_bytes is not None or self.peak_auto
 
     @classmethod
     def parse(cls, value, name: str = "memory_budget") -> "MemoryBudget":
-        """``0.5``, ``"0.5"``, ``"512MiB"``, ``"2GB"``, ``1.5e9``; anything else is a ConfigError."""
+        """``0.5``, ``"0.5"``, ``"512MiB"``, ``"2GB"``, ``1.5e9``, ``"peak:6GiB"``,
+        ``"peak:auto"``; anything else is a ConfigError."""
         if isinstance(value, MemoryBudget):
             return value
         if isinstance(value, bool) or not isinstance(value, (int, float, str)):
             raise ConfigError(f"{name}={value!r} is not a memory budget; use {_BUDGET_FORMS}")
+        if isinstance(value, str) and value.strip().lower().startswith(PEAK_PREFIX):
+            return cls._peak(value, name)
         if isinstance(value, str):
             match = re.fullmatch(r"\s*([0-9.eE+-]+)\s*([a-zA-Z]*)\s*", value)
             unit = match.group(2).lower() if match else None
@@ -62,6 +81,12 @@ class MemoryBudget:
             raise ConfigError(f"{name}={value!r} is not a memory budget; use {_BUDGET_FORMS}")
         if value <= 1:
             return cls(fraction=float(value))
+        if value != int(value) or value < MIN_BARE_BYTES:
+            raise ConfigError(
+                f"{name}={value!r} is neither a fraction 0.0..1.0 nor a plausible byte count "
+                f"(a whole number of at least {MIN_BARE_BYTES}, or a number with a unit); "
+                f"use {_BUDGET_FORMS}"
+            )
         return cls._bytes(value, name, value)
 
     @classmethod
@@ -70,9 +95,29 @@ class MemoryBudget:
             raise ConfigError(f"{name}={text!r} is not a memory budget; use {_BUDGET_FORMS}")
         return cls(nbytes=int(number))
 
+    @classmethod
+    def _peak(cls, text: str, name: str) -> "MemoryBudget":
+        rest = text.strip()[len(PEAK_PREFIX):].strip()
+        if rest.lower() == "auto":
+            return cls(peak_auto=True)
+        try:
+            nbytes = cls.parse(rest, name).nbytes
+        except ConfigError:
+            nbytes = None
+        if nbytes is None:  # a fraction, or not a number
+            raise ConfigError(
+                f"{name}={text!r} is not a peak budget; after 'peak:' give bytes such as "
+                "6GiB, 512MiB, 2e9, or 'auto' (CUDA: free device memory less a margin)"
+            )
+        return cls(peak_bytes=nbytes)
+
     def __str__(self) -> str:
         if self.fraction is not None:
             return f"{self.fraction:g} of runtime-optimal"
+        if self.peak_auto:
+            return "peak:auto"
+        if self.peak_bytes is not None:
+            return f"peak {self.peak_bytes} bytes"
         return f"{self.nbytes} bytes"
 
 
@@ -149,11 +194,12 @@ class Config:
     memory_budget: MemoryBudget | None = dataclasses.field(
         default=None, metadata={"parse": _parse_budget}
     )
-    """Bytes of activations each compiled graph may save for backward
-    (``CKPT_MEMORY_BUDGET``): a fraction ``0.0``..``1.0`` of the runtime-optimal
-    plan's saved bytes, or bytes such as ``512MiB``, ``2GB``, ``1.5e9``. Within
-    it ckpt picks the plan with the least estimated recompute time. None: the
-    runtime-optimal plan. Strings and numbers given here are parsed alike."""
+    """What each compiled graph may use (``CKPT_MEMORY_BUDGET``): a fraction
+    ``0.0``..``1.0`` of the runtime-optimal plan's saved bytes, saved bytes such
+    as ``512MiB``, ``2GB``, ``1.5e9``, or the training step's peak such as
+    ``peak:6GiB`` (``peak:auto`` on CUDA). Within it ckpt picks the plan with
+    the least estimated recompute time. None: the runtime-optimal plan.
+    Strings and numbers given here are parsed alike."""
 
     device_profile: str | None = dataclasses.field(
         default=None, metadata={"parse": _parse_device_profile}

@@ -13,8 +13,8 @@ from . import _torch_compat as compat
 from passes.report import build_report, pytorch_decisions, write_report
 
 from .classify import GraphFacts, classify
-from .config import Config
-from .budget import solve_with_budget
+from .config import Config, ConfigError
+from .budget import resolve_peak_target, solve_with_budget
 from .cost import profile_for
 from .plan import Plan, build_plan
 from .rank_sync import check_same_plan_on_all_ranks
@@ -86,7 +86,8 @@ def _decide(joint_gm, num_fwd_outputs, static_lifetime_input_indices, config: Co
         static_lifetime_input_indices=static_lifetime_input_indices,
     )
     profile = profile_for(joint_gm.graph, config.device_profile)
-    return facts, solve_with_budget(facts, config.memory_budget, profile)
+    peak_target = resolve_peak_target(config.memory_budget, joint_gm.graph)
+    return facts, solve_with_budget(facts, config.memory_budget, profile, peak_target)
 
 
 def _plan(facts, saved, solution, config: Config) -> Plan:
@@ -125,6 +126,8 @@ class CkptPartitioner(compat.CustomPartitionerFn):
                 config=self.config,
             )
             fwd, bwd, plan = result.forward, result.backward, result.plan
+        except ConfigError:
+            raise  # a setting that cannot work here: the user must change it
         except Exception as error:
             if self.config.strict:
                 raise

@@ -10,6 +10,7 @@ from passes.canonical import op_label
 
 from .classify import GraphFacts, NodeFacts, user_wants_recompute
 from .ops import Recompute
+from .peak import PeakEstimate
 
 if TYPE_CHECKING:
     from .budget import BudgetSolution
@@ -52,8 +53,12 @@ class Plan:
     optimal_bytes: int = 0
     """Saved bytes of the runtime-optimal plan for this graph."""
     fits_budget: bool = True
+    peak_estimate: PeakEstimate | None = None
+    """The forward and backward peaks behind ``estimated_peak_bytes``, and what
+    forward holds for backward (to compose the graphs of one step)."""
     estimated_peak_bytes: int = 0
-    """Backward peak by an unfused liveness walk (partitioners/liveness.py)."""
+    """Predicted peak bytes of one training step above what is live before it
+    (partitioners/peak.py): the larger of the forward and backward peaks."""
     recompute_time_s: float = 0.0
     """Estimated time of heavy ops recomputed to fit the budget."""
     solve_time_s: float = 0.0
@@ -111,6 +116,7 @@ def build_plan(facts: GraphFacts, saved: list[fx.Node], solution: BudgetSolution
         optimal_bytes=solution.optimal_bytes,
         fits_budget=solution.fits,
         estimated_peak_bytes=solution.estimated_peak_bytes,
+        peak_estimate=solution.peak,
         recompute_time_s=solution.recompute_time_s,
         solve_time_s=solution.solve_time_s,
     )

@@ -96,7 +96,7 @@ def build_report(result: Partition | None, plan: Plan, pytorch: PyTorchDecisions
             "optimal_saved_bytes": plan.optimal_bytes,
             "fits_budget": plan.fits_budget,
             "estimated_budget_recompute_us": round(plan.recompute_time_s * 1e6, 1),
-            "estimated_backward_peak_bytes": plan.estimated_peak_bytes,
+            "estimated_peak_bytes": plan.estimated_peak_bytes,
         },
         "ledger": {
             "parameters_bytes": sum(facts.nodes[n].nbytes for n in facts.static_inputs),
@@ -127,7 +127,7 @@ def render_markdown(report: dict) -> str:
         "",
         f"- recompute writes {_size(totals['ckpt_recompute_bytes_written'])} (outputs of recomputed non-view ops, before fusion)",
         f"- memory budget: {_budget_line(totals)}",
-        f"- estimated backward peak: {_size(totals['estimated_backward_peak_bytes'])} (liveness walk, pointwise chains fused)",
+        f"- predicted step peak: {_size(totals['estimated_peak_bytes'])} (above parameters and inputs; partitioners/peak.py)",
         "",
         "## Values backward needs",
         "",

@@ -51,7 +51,7 @@ def test_unknown_mode_on_the_command_line_is_a_clear_error(capsys):
 
 
 @pytest.mark.parametrize("text, nbytes", [
-    ("64MiB", 64 * 2**20), ("1.5GB", 1_500_000_000), ("512 KiB", 512 * 1024), ("1000", 1000), ("3b", 3),
+    ("64MiB", 64 * 2**20), ("1.5GB", 1_500_000_000), ("512 KiB", 512 * 1024), ("100000", 100000), ("3b", 3),
 ])
 def test_parse_bytes(text, nbytes):
     assert parse_bytes(text) == nbytes

@@ -1,0 +1,397 @@
+"""Predicted peak bytes of one training step for a saved set.
+
+The step is two walks over the joint graph, as the compiled graphs run:
+
+- forward: forward nodes in graph order. A buffer lives from the kernel that
+  writes it to the last kernel that reads it; values saved for backward and
+  forward outputs live to the end of forward.
+- backward: ``backward_schedule`` (backward nodes in joint-graph order, each
+  recomputed node just before its first reader). Saved values and tangents
+  are alive from the start; a saved value is freed after its
+  last reader (the compiled backward takes ownership of its inputs);
+  gradients stay alive to the end (as after ``optimizer.zero_grad()``, the
+  first gradient of a parameter becomes its ``.grad`` without a copy).
+
+Bytes are counted above what is live before the step: parameters, buffers
+and inputs are not counted, nor are views (they share their base's buffer).
+
+Which values get a buffer of their own follows Inductor's lowering
+(``materialized``): a pointwise value is computed inside the kernel of each
+reader unless an extern kernel (matmul, attention, convolution, an op Inductor
+cannot fuse) reads it, it leaves the graph (saved, a gradient, an output), or
+Inductor realizes it for reuse: read by more than one kernel and either
+containing an op that is costly to repeat on CPU (exp, log, tanh...) or
+reading more than ``REALIZE_READS`` buffers. Reductions, scatters and
+concatenations always write a buffer. Extern kernels that allocate working
+memory of their own (attention backward) add it while they run
+(``workspace_bytes``).
+
+Deterministic: a function of the graph and the saved set, no timing, no
+allocation, so every rank predicts the same.
+"""
+from __future__ import annotations
+
+import dataclasses
+import operator
+
+import torch
+import torch.fx as fx
+
+from . import _torch_compat as compat
+from .classify import GraphFacts
+from .ops import OpCategory
+
+aten = torch.ops.aten
+
+# Categories Inductor can compute inside a reader's kernel.
+INLINABLE = frozenset({
+    OpCategory.POINTWISE, OpCategory.SEEDED_RANDOM, OpCategory.DATA_MOVEMENT,
+    OpCategory.CONSTANT,
+})
+# Categories that never allocate: they alias a buffer or hold no tensor.
+ALIASING = frozenset({OpCategory.VIEW, OpCategory.GETITEM, OpCategory.INPUT, OpCategory.SYMBOLIC})
+# Categories Inductor lowers to a reduction kernel with a buffer of its own.
+REDUCTIONS = frozenset({OpCategory.REDUCTION, OpCategory.SHRINKING_REDUCTION})
+
+# Data movement Inductor lowers to a kernel writing a buffer (a scatter into
+# a fresh buffer, a concatenation), not to an inlinable expression.
+ALWAYS_WRITTEN = frozenset(
+    getattr(packet, name)
+    for packet in (aten.cat, aten.index_put, aten.scatter, aten.scatter_add,
+                   aten.slice_scatter, aten.select_scatter, aten.embedding_dense_backward)
+    for name in packet.overloads()
+)
+
+# torch/_inductor/config.py realize_reads_threshold: a reused pointwise value
+# reading more buffers than this is stored rather than recomputed per reader.
+REALIZE_READS = 4
+# torch/_inductor/ir.py should_realize_on_reuse: ops Inductor will not repeat
+# per reader on CPU (seeded random values too: their generator code is past
+# Inductor's inline size limit, has_large_inner_fn).
+COSTLY_ON_CPU = frozenset({"exp", "log", "log10", "log1p", "log2", "sigmoid", "tanh"})
+
+
+@dataclasses.dataclass(frozen=True)
+class PeakEstimate:
+    """Predicted bytes above what is live before the step."""
+
+    forward_bytes: int
+    """Peak while forward runs."""
+    backward_bytes: int
+    """Peak while backward runs (saved values and gradients included)."""
+    held_bytes: int = 0
+    """What forward leaves alive for backward: the saved values."""
+    output_bytes: int = 0
+    """What forward returns, beyond saved values."""
+    gradient_bytes: int = 0
+    """What backward returns: gradients of parameters and inputs."""
+
+    @property
+    def step_bytes(self) -> int:
+        return max(self.forward_bytes, self.backward_bytes)
+
+
+def estimate_step_peak(facts: GraphFacts, saved) -> PeakEstimate:
+    """The predicted forward and backward peaks of one step that saves ``saved``."""
+    saved = set(saved)
+    held = facts.saved_storages(saved)
+    outputs = _outputs(facts)
+    forward = [n for n in facts.nodes if n in facts.forward]
+    forward_peak = walk(facts, forward, kept=held | outputs)
+    order = backward_schedule(facts, saved)
+    tangents = {n for n in order if n.op == "placeholder" and n not in facts.inputs}
+    gradients = {owner(n, facts) for n in facts.backward_outputs}
+    backward_peak = walk(facts, order, kept=gradients, start=held | tangents)
+    return PeakEstimate(
+        forward_peak, backward_peak,
+        held_bytes=sum(facts.nodes[n].nbytes for n in held),
+        output_bytes=sum(facts.nodes[n].nbytes for n in outputs - held),
+        gradient_bytes=sum(facts.nodes[n].nbytes for n in gradients - facts.free_inputs),
+    )
+
+
+def _outputs(facts: GraphFacts) -> set[fx.Node]:
+    """What forward returns (not inputs). Alive at the end of forward; not
+    counted in backward, where a loss is a scalar and logits handed to a
+    later graph are that graph's to hold."""
+    return {owner(n, facts) for n in facts.forward_outputs} - facts.inputs
+
+
+def walk(facts: GraphFacts, order: list[fx.Node], kept: set[fx.Node],
+         start: set[fx.Node] = frozenset(), trace: list | None = None) -> int:
+    """Peak bytes of running ``order`` with ``start`` buffers alive at the
+    beginning and ``kept`` ones never freed. ``trace`` collects
+    ``(node, live bytes)`` per step, for calibration."""
+    order = kernel_order(facts, order)
+    buffers = materialized(facts, order, kept)
+    reads = buffer_reads(facts, order, buffers)
+    last_read: dict[fx.Node, int] = {}
+    for step, node in enumerate(order):
+        for buffer in reads.get(node, ()):
+            last_read[buffer] = step
+    frees: dict[int, list[fx.Node]] = {}
+    for buffer, step in last_read.items():
+        if buffer not in kept:
+            frees.setdefault(step, []).append(buffer)
+    alive = set(start) - facts.free_inputs
+    live = sum(facts.nodes[b].nbytes for b in alive)
+    peak = live
+    for step, node in enumerate(order):
+        for copy in reads.get(node, set()) & facts.relaid_inputs - alive:
+            alive.add(copy)  # Inductor's channels-last copy of an input
+            live += facts.nodes[copy].nbytes
+            last_read.setdefault(copy, step)
+        if node in buffers and node not in alive:
+            donor = _in_place_donor(node, reads.get(node, ()), step, last_read, alive, kept, facts)
+            if donor is not None:  # the kernel writes into a buffer it reads for the last time
+                alive.discard(donor)
+                live -= facts.nodes[donor].nbytes
+            alive.add(node)
+            live += facts.nodes[node].nbytes
+        for output in _tuple_outputs(node, buffers) - alive:  # a kernel with several outputs
+            alive.add(output)  # writes them all at once
+            live += facts.nodes[output].nbytes
+        now = live + workspace_bytes(node, facts)
+        peak = max(peak, now)
+        if trace is not None:
+            trace.append((node, now))
+        for buffer in frees.get(step, ()):
+            if buffer in alive:
+                alive.discard(buffer)
+                live -= facts.nodes[buffer].nbytes
+    return peak
+
+
+def _tuple_outputs(node: fx.Node, buffers: set[fx.Node]) -> set[fx.Node]:
+    if not isinstance(node.meta.get("val"), (tuple, list)):
+        return set()
+    return {user for user in node.users if user.target is operator.getitem and user in buffers}
+
+
+def _in_place_donor(node, reads, step, last_read, alive, kept, facts) -> fx.Node | None:
+    """A buffer a pointwise kernel may overwrite with its output: read for the
+    last time by this kernel, not kept, of the same size (Inductor's in-place
+    buffer reuse; in backward, saved values are donated buffers)."""
+    if value_kind(node, facts) != INLINE:
+        return None
+    size = facts.nodes[node].nbytes
+    for buffer in sorted(reads, key=lambda b: b.name):
+        if (
+            buffer in alive and buffer not in kept and last_read.get(buffer) == step
+            and facts.nodes[buffer].nbytes == size and buffer not in facts.inputs
+        ):
+            return buffer
+    return None
+
+
+def kernel_order(facts: GraphFacts, order: list[fx.Node]) -> list[fx.Node]:
+    """``order`` as Inductor's kernels run: a run of pointwise and reduction
+    kernels fuses into few kernels, so an extern kernel (a matmul) runs after
+    the run that follows it unless the run reads it, and what it reads stays
+    alive through the run (seen in Inductor's generated code: a weight
+    gradient's matmul after the fused gelu and LayerNorm backward). Extern
+    kernels keep their order among themselves."""
+    result, pending, waiting = [], [], set()
+    for node in order:
+        kind = value_kind(node, facts)
+        if _is_extern(node, facts, kind):  # extern kernels keep their order
+            result.extend(pending)
+            pending, waiting = [node], {node}
+            continue
+        if any(arg in waiting for arg in node.all_input_nodes):
+            if kind in (ALIAS, NONE) and node.op != "placeholder":  # a view of a waiting value waits too
+                pending.append(node)
+                waiting.add(node)
+                continue
+            needed = _waiting_ancestors(node, waiting)
+            result.extend(n for n in pending if n in needed)
+            pending = [n for n in pending if n not in needed]
+            waiting -= needed
+        result.append(node)
+    return result + pending
+
+
+def _waiting_ancestors(node: fx.Node, waiting: set[fx.Node]) -> set[fx.Node]:
+    """The waiting nodes ``node`` reads, directly or through other waiting nodes."""
+    needed, stack = set(), [a for a in node.all_input_nodes if a in waiting]
+    while stack:
+        arg = stack.pop()
+        if arg not in needed:
+            needed.add(arg)
+            stack.extend(a for a in arg.all_input_nodes if a in waiting)
+    return needed
+
+
+def _is_extern(node: fx.Node, facts: GraphFacts, kind: str) -> bool:
+    category = facts.nodes[node].category
+    if node.target is operator.getitem:
+        category = facts.nodes[node.args[0]].category
+    if kind == NONE and node.op != "placeholder" and isinstance(node.meta.get("val"), (tuple, list)):
+        return category not in INLINABLE and category not in REDUCTIONS and category is not OpCategory.VIEW
+    return kind == BUFFER and category not in INLINABLE and category not in REDUCTIONS
+
+
+# How Inductor treats a node's value.
+NONE, ALIAS, INLINE, BUFFER = "none", "alias", "inline", "buffer"
+
+
+def value_kind(node: fx.Node, facts: GraphFacts) -> str:
+    """NONE (no tensor of its own: inputs, tuples, sizes), ALIAS (a view of
+    another value), INLINE (an expression Inductor may compute inside its
+    readers' kernels) or BUFFER (always written to memory)."""
+    node_facts = facts.nodes[node]
+    if node.op == "placeholder" or node_facts.nbytes == 0 or node_facts.category is OpCategory.SYMBOLIC:
+        return NONE
+    if isinstance(node.meta.get("val"), (tuple, list)):
+        return NONE  # its elements (getitem nodes) are the buffers
+    if node_facts.category is OpCategory.VIEW:
+        return ALIAS
+    category = node_facts.category
+    if node.target is operator.getitem:
+        parent = facts.nodes[node.args[0]].category
+        if parent is OpCategory.VIEW:
+            return ALIAS
+        category = parent
+    if category in INLINABLE and node.target not in ALWAYS_WRITTEN:
+        return INLINE
+    return BUFFER
+
+
+def owner(node: fx.Node, facts: GraphFacts) -> fx.Node:
+    """The node whose buffer holds ``node``'s value (a view's base)."""
+    while value_kind(node, facts) == ALIAS:
+        node = node.args[0]
+        if node.target is operator.getitem and value_kind(node, facts) == ALIAS:
+            node = node.args[0]  # an element of a split: a view of the split's input
+    return node
+
+
+def materialized(facts: GraphFacts, order: list[fx.Node], kept: set[fx.Node]) -> set[fx.Node]:
+    """The nodes of ``order`` that write a buffer of their own, by Inductor's rules."""
+    in_order = set(order)
+    kinds = {node: value_kind(node, facts) for node in order}
+    buffers: set[fx.Node] = set()
+    inline_reads: dict[fx.Node, frozenset] = {}
+    costly: dict[fx.Node, bool] = {}
+    for node in order:
+        kind = kinds[node]
+        if kind == BUFFER:
+            buffers.add(node)
+        if kind != INLINE:
+            continue
+        reads = frozenset().union(*(inline_reads.get(a, frozenset({a})) for a in node.all_input_nodes))
+        costly[node] = (
+            _op_name(node) in COSTLY_ON_CPU
+            or facts.nodes[node].category is OpCategory.SEEDED_RANDOM
+            or any(costly.get(a, False) for a in node.all_input_nodes)
+        )
+        users = _readers(node, facts, in_order, kinds)
+        if (
+            node in kept
+            or node in facts.backward_outputs
+            or any(kinds[u] == BUFFER and not _reduction_reader(u, facts) for u in users)
+            or (len(users) > 1 and (costly[node] or len(reads) > REALIZE_READS))
+        ):
+            buffers.add(node)
+            inline_reads[node], costly[node] = frozenset({node}), False
+        else:
+            inline_reads[node] = reads
+    return buffers
+
+
+def _readers(node: fx.Node, facts: GraphFacts, in_order: set, kinds: dict) -> list[fx.Node]:
+    """The nodes of this phase that read ``node``, looking through views."""
+    readers, stack = [], [node]
+    while stack:
+        for user in stack.pop().users:
+            if user not in in_order or user.op == "output":
+                continue
+            if kinds[user] == ALIAS:
+                stack.append(user)
+            elif user not in readers:
+                readers.append(user)
+    return readers
+
+
+def _reduction_reader(reader: fx.Node, facts: GraphFacts) -> bool:
+    """A reduction computes inlined inputs inside its own loop."""
+    return facts.nodes[reader].category in REDUCTIONS
+
+
+def buffer_reads(facts: GraphFacts, order: list[fx.Node], buffers: set[fx.Node]) -> dict[fx.Node, set[fx.Node]]:
+    """Per buffer-writing node of ``order``, the buffers its kernel reads
+    (through inlined values and views). Values from outside ``order`` (saved
+    values, inputs) are read as themselves."""
+    sources: dict[fx.Node, frozenset] = {}
+
+    def source(arg: fx.Node) -> frozenset:
+        return sources.get(arg, frozenset({owner(arg, facts)}))
+
+    reads: dict[fx.Node, set[fx.Node]] = {}
+    for node in order:
+        arg_sources = frozenset().union(*(source(a) for a in node.all_input_nodes))
+        if node in buffers:
+            sources[node] = frozenset({node})
+            reads[node] = set(arg_sources)
+        elif value_kind(node, facts) == ALIAS:
+            sources[node] = source(owner(node, facts)) if owner(node, facts) is not node else arg_sources
+        else:  # inlined, or no tensor: its readers read what it reads
+            sources[node] = arg_sources
+            if value_kind(node, facts) == NONE and node.op != "placeholder":
+                reads[node] = set(arg_sources)  # a tuple-valued kernel reads its inputs
+    return reads
+
+
+# Attention backward kernels accumulate the query's gradient in float32 in a
+# buffer of their own (measured on CPU: the workspace beyond the three
+# gradients is the query's size in float32 plus per-thread blocks of a few
+# KiB; FlashAttention-2 keeps the same dq accumulator on CUDA).
+ATTENTION_BACKWARD = frozenset(
+    getattr(packet, name)
+    for packet in (aten._scaled_dot_product_flash_attention_for_cpu_backward,
+                   aten._scaled_dot_product_flash_attention_backward,
+                   aten._scaled_dot_product_efficient_attention_backward,
+                   aten._scaled_dot_product_cudnn_attention_backward,
+                   aten._flash_attention_backward, aten._efficient_attention_backward)
+    for name in packet.overloads()
+)
+FLOAT32_BYTES = 4
+
+
+def workspace_bytes(node: fx.Node, facts: GraphFacts) -> int:
+    """Working memory an extern kernel allocates while it runs, beyond its outputs."""
+    if node.target in ATTENTION_BACKWARD:
+        query = node.args[1].meta.get("val")
+        if isinstance(query, torch.Tensor):
+            return compat.hint_int(query.numel()) * FLOAT32_BYTES
+    return 0
+
+
+def _op_name(node: fx.Node) -> str:
+    packet = getattr(node.target, "overloadpacket", None)
+    return getattr(packet, "__name__", "")
+
+
+def backward_schedule(facts: GraphFacts, saved: set[fx.Node]) -> list[fx.Node]:
+    """Nodes backward runs, in order: recomputed nodes just before their first use."""
+    done: set[fx.Node] = set(saved)
+    backward_outputs = set(facts.backward_outputs)
+    order: list[fx.Node] = []
+    for node in facts.nodes:  # graph order
+        if node in facts.backward or node in backward_outputs:
+            _schedule(node, done, order)
+    return order
+
+
+def _schedule(root: fx.Node, done: set, order: list) -> None:
+    stack = [(root, False)]
+    while stack:
+        node, inputs_ready = stack.pop()
+        if node in done:
+            continue
+        if inputs_ready:
+            done.add(node)
+            order.append(node)
+            continue
+        stack.append((node, True))
+        stack.extend((arg, False) for arg in reversed(node.all_input_nodes) if arg not in done)
