@@ -66,6 +66,8 @@ class ModeResult:
     saved_bytes: int | None = None
     plan_saved_bytes: int | None = None
     peak_bytes: int | None = None
+    predicted_peak_bytes: int | None = None
+    """ckpt's prediction of ``peak_bytes`` (its Plans' peaks, composed)."""
     step_s: float | None = None
     step_times_s: list[float] = dataclasses.field(default_factory=list)
     throughput: float | None = None
@@ -188,6 +190,7 @@ def measure_memory(prep: Prepared, result: ModeResult, device: str) -> list[torc
     plans = prep.runner.plans
     result.plan_saved_bytes = _plans_sum(plans, "saved_activation_bytes")
     result.solve_s = _plans_sum(plans, "solve_time_s")
+    result.predicted_peak_bytes = predicted_step_peak(plans)
     result.fallback = next((p.fallback for p in plans if p.fallback), None)
 
     prep.model.zero_grad(set_to_none=True)
@@ -200,6 +203,27 @@ def measure_memory(prep: Prepared, result: ModeResult, device: str) -> list[torc
     prep.model.zero_grad(set_to_none=True)
     result.peak_bytes = peak_bytes(prep.step, device)
     return grads
+
+
+def predicted_step_peak(plans: list) -> int | None:
+    """The step peak ckpt predicts for a model whose graphs have these Plans
+    (None without a prediction for every graph).
+
+    Graphs run forward in compile order and backward in reverse: while graph
+    i runs forward, the earlier graphs hold what they saved; while it runs
+    backward, the earlier graphs still hold theirs and the later ones have
+    returned their gradients.
+    """
+    peaks = [getattr(plan, "peak_estimate", None) for plan in plans]
+    if not peaks or None in peaks:
+        return None
+    step = 0
+    for i, peak in enumerate(peaks):
+        before = sum(p.held_bytes for p in peaks[:i])
+        outputs = sum(p.output_bytes for p in peaks[:i])  # the inputs of this graph
+        after = sum(p.gradient_bytes for p in peaks[i + 1:])
+        step = max(step, before + outputs + peak.forward_bytes, before + after + peak.backward_bytes)
+    return step
 
 
 def _reference_grads(case: Case, base, device: str) -> list[torch.Tensor | None]:
@@ -329,21 +353,31 @@ class CapSearch:
     """One mode's search for the largest batch under a cap.
 
     One compile, with the batch dimension dynamic: each probe is then two
-    steps, not a compile, so the search can afford a fine bisection."""
+    steps, not a compile, so the search can afford a fine bisection. A mode
+    under a peak budget (``ckpt+budget=peak:...``) compiles once per batch
+    instead: its plan depends on the batch, and a plan made for one batch
+    would not hold its peak at another."""
 
     def __init__(self, case: Case, base, mode: Mode, settings: Settings):
-        self.case, self.settings = case, settings
-        self.prep = prepare(case, base, mode, case.batch, settings.device, dynamic_batch=True)
-        self.prep.step()  # compiles, once for every batch size
+        self.case, self.settings, self.base, self.mode = case, settings, base, mode
+        self.per_batch = mode.budget is not None and mode.budget.strip().lower().startswith("peak:")
+        self.prep = prepare(case, base, mode, case.batch, settings.device, dynamic_batch=not self.per_batch)
+        self.prep.step()  # compiles (for every batch size, unless per_batch)
         self.start_peak = self.peak_at(case.batch)
+
+    def _prep_for(self, batch: int) -> Prepared:
+        if self.per_batch and self.prep.args[0].shape[0] != batch:
+            self.prep = prepare(self.case, self.base, self.mode, batch, self.settings.device)
+        return self.prep
 
     def peak_at(self, batch: int) -> int | None:
         """Peak of one step at ``batch``; None when the device runs out of memory."""
         args = _inputs(self.case, batch, self.settings.device)
         try:
-            self.prep.step_with(args)  # warm: a size's first step may allocate differently
-            self.prep.model.zero_grad(set_to_none=True)
-            return peak_bytes(lambda: self.prep.step_with(args), self.settings.device)
+            prep = self._prep_for(batch)
+            prep.step_with(args)  # warm (and compiles, per batch): a size's first step may allocate differently
+            prep.model.zero_grad(set_to_none=True)
+            return peak_bytes(lambda: prep.step_with(args), self.settings.device)
         except torch.OutOfMemoryError:
             return None
 
@@ -356,8 +390,9 @@ class CapSearch:
             return
         args = _inputs(case, best, settings.device)
         sync = _sync_fn(settings.device)
-        self.prep.step_with(args)
+        prep = self._prep_for(best)
+        prep.step_with(args)
         step_s = statistics.median(
-            time_once_s(lambda: self.prep.step_with(args), sync) for _ in range(settings.cap_repeats)
+            time_once_s(lambda: prep.step_with(args), sync) for _ in range(settings.cap_repeats)
         )
         result.cap_throughput = _units(case, best) / step_s

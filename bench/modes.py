@@ -5,7 +5,7 @@
     compile                torch.compile, Inductor's default partitioner
     compile+budget=F       the same under PyTorch's activation_memory_budget=F
     ckpt                   torch.compile with ckpt's backend
-    ckpt+budget=B          ckpt with Config.memory_budget=B
+    ckpt+budget=B          ckpt with Config.memory_budget=B (B: 0.3, 16MiB, peak:64MiB)
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from partitioners.config import ConfigError, MemoryBudget
 KINDS = ("eager", "eager+checkpoint", "compile", "ckpt")
 VALID_FORMS = (
     "eager, eager+checkpoint, compile, compile+budget=F (F a fraction 0..1), "
-    "ckpt, ckpt+budget=B (B a fraction 0..1 or bytes such as 16MiB, 2GB)"
+    "ckpt, ckpt+budget=B (B a fraction 0..1, bytes such as 16MiB, 2GB, or a step peak such as peak:64MiB)"
 )
 DEFAULT_MODES = ("eager", "eager+checkpoint", "compile", "compile+budget=0.5", "ckpt", "ckpt+budget=0.5")
 

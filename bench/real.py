@@ -1,6 +1,9 @@
-"""Optional real architectures, tiny and with random weights, built from
-configs (no downloads): transformers GPT-2, Llama, BERT; timm ViT, ResNet.
-Each is used only when its package is installed; neither is a dependency."""
+"""Real architectures, tiny and with random weights, built from transformers'
+configs (no downloads): GPT-2, Llama, BERT, ViT, ResNet, and ``llama8``, the
+Llama-style model at a realistic sequence length (8 layers, d=256, seq 512).
+transformers is in the bench extra; without it they are skipped with a note.
+(timm's ViT and ResNet would need torchvision, which does not import beside
+the CPU build of torch this project pins, so transformers' own are used.)"""
 from __future__ import annotations
 
 import importlib.util
@@ -12,10 +15,11 @@ import torch.nn.functional as F
 from bench.cases import Case
 
 # name -> package it needs
-REAL = {"gpt2": "transformers", "llama": "transformers", "bert": "transformers",
-        "vit": "timm", "resnet": "timm"}
+REAL = {name: "transformers" for name in ("gpt2", "llama", "bert", "vit", "resnet", "llama8")}
 
 SEQ, VOCAB, BATCH = 64, 512, 4  # tiny: CPU-sized, like the built-in GPT
+# llama8: the shape a user reported (8 layers, d=256, 4 heads, 2 KV heads).
+LONG_SEQ, LONG_BATCH = 512, 2
 IMAGE, CLASSES, IMAGE_BATCH = 32, 10, 16  # CIFAR-sized
 
 
@@ -47,8 +51,8 @@ def missing(name: str) -> str | None:
     return None if importlib.util.find_spec(package) else f"{package} is not installed"
 
 
-def _tokens(batch: int):
-    return (torch.randint(VOCAB, (batch, SEQ), generator=torch.Generator().manual_seed(0)),)
+def _tokens(batch: int, seq: int = SEQ):
+    return (torch.randint(VOCAB, (batch, seq), generator=torch.Generator().manual_seed(0)),)
 
 
 def _images(batch: int):
@@ -63,10 +67,6 @@ def _hf_checkpointing(wrapper: nn.Module) -> None:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-
-
-def _timm_checkpointing(wrapper: nn.Module) -> None:
-    wrapper.model.set_grad_checkpointing(True)
 
 
 def _hf_model(name: str) -> nn.Module:
@@ -84,31 +84,57 @@ def _hf_model(name: str) -> nn.Module:
                                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                 max_position_embeddings=SEQ, use_cache=False)
         return tf.LlamaForCausalLM(config)
+    if name == "llama8":
+        config = tf.LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=688,
+                                num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
+                                max_position_embeddings=LONG_SEQ, use_cache=False,
+                                attn_implementation="sdpa")
+        return tf.LlamaForCausalLM(config)
     config = tf.BertConfig(vocab_size=VOCAB, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
                            intermediate_size=256, max_position_embeddings=SEQ,
                            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, use_cache=False)
     return tf.BertForMaskedLM(config)
 
 
-def _timm_model(name: str) -> nn.Module:
-    import timm
+def _vision_model(name: str) -> nn.Module:
+    """A classifier returning logits (transformers returns an output object)."""
+    import transformers as tf
 
-    if name == "vit":
-        return timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=IMAGE, patch_size=4,
-                                 depth=4, num_classes=CLASSES)
-    return timm.create_model("resnet18", pretrained=False, num_classes=CLASSES)
+    if name == "vit":  # ViT-Tiny's width and heads, 4 layers, 4x4 patches
+        config = tf.ViTConfig(image_size=IMAGE, patch_size=4, hidden_size=192, num_hidden_layers=4,
+                              num_attention_heads=3, intermediate_size=768, num_labels=CLASSES,
+                              hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+        return _Logits(tf.ViTForImageClassification(config))
+    config = tf.ResNetConfig(embedding_size=64, hidden_sizes=[64, 128, 256, 512], depths=[2, 2, 2, 2],
+                             layer_type="basic", num_labels=CLASSES)  # ResNet-18
+    return _Logits(tf.ResNetForImageClassification(config))
+
+
+class _Logits(nn.Module):
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.model(pixel_values=images).logits
 
 
 def real_case(name: str) -> Case:
     """The Case of a real model; call only when ``missing(name)`` is None."""
-    if REAL[name] == "transformers":
+    if name == "llama8":
         return Case(
-            name, f"transformers {name}, tiny config, random weights, seq {SEQ}",
-            lambda: LanguageModelLoss(_hf_model(name)), _tokens, BATCH,
-            unit="tokens", per_sample=SEQ, enable_checkpointing=_hf_checkpointing,
+            name, f"transformers Llama, 8 layers, d=256, 4 heads, 2 KV heads, seq {LONG_SEQ}",
+            lambda: LanguageModelLoss(_hf_model(name)), lambda b: _tokens(b, LONG_SEQ), LONG_BATCH,
+            unit="tokens", per_sample=LONG_SEQ, enable_checkpointing=_hf_checkpointing,
+        )
+    if name in ("vit", "resnet"):
+        return Case(
+            name, f"transformers {name}, tiny config, random weights, {IMAGE}x{IMAGE} images",
+            lambda: ClassifierLoss(_vision_model(name)), _images, IMAGE_BATCH,
+            enable_checkpointing=lambda wrapper: _hf_checkpointing(wrapper.model),
         )
     return Case(
-        name, f"timm {name}, tiny config, random weights, {IMAGE}x{IMAGE} images",
-        lambda: ClassifierLoss(_timm_model(name)), _images, IMAGE_BATCH,
-        enable_checkpointing=_timm_checkpointing,
+        name, f"transformers {name}, tiny config, random weights, seq {SEQ}",
+        lambda: LanguageModelLoss(_hf_model(name)), _tokens, BATCH,
+        unit="tokens", per_sample=SEQ, enable_checkpointing=_hf_checkpointing,
     )
