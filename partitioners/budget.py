@@ -74,6 +74,8 @@ class BudgetSolution:
     """Saved bytes of the runtime-optimal plan (what fraction budgets scale)."""
     boundaries: frozenset[fx.Node] = frozenset()
     """Spine values saved as segment boundaries."""
+    rate: float = 0.0
+    """The recompute price (bytes per second of heavy ops) of the cut."""
     priced_recomputed: frozenset[fx.Node] = frozenset()
     """Heavy ops recomputed because of the budget."""
     estimated_peak_bytes: int = 0
@@ -147,7 +149,7 @@ def _solve_for_peak(facts, budget, profile, optimal: BudgetSolution, target: int
     solution, cuts = optimal, 1
     if optimal.estimated_peak_bytes > target:
         search = _Search(facts, profile)
-        solution = search.fastest_under_peak(target)
+        solution = search.fastest_under_peak(target, optimal)
         if solution is None:
             solution = dataclasses.replace(search.lowest_peak(optimal), fits=False)
             warnings.warn(
@@ -328,6 +330,8 @@ class _Search:
         self.spine = spine_values(facts)
         self._families: list[BudgetSolution] = []
         self._family_plans = self._all_families()
+        self._peak_path: list[BudgetSolution] = []
+        """The lowest-peak family along the rates (lowest_peak's walk)."""
         self.runtime = {
             node: estimate_runtime_s(node, profile)
             for node, node_facts in facts.nodes.items()
@@ -362,11 +366,14 @@ class _Search:
         """The plan of lowest estimated peak: the runtime-optimal one, or the
         lowest-peak family at the rate where its peak is lowest (saving an op
         whose recompute needs a large working set can lower the peak)."""
-        family = min(self.families(), key=_by_peak)
-        path = [family]
-        plans = (self._cut(family.boundaries, rate) for rate in self.rates)
-        _extend_until_stale(path, itertools.takewhile(lambda p: p.saved_bytes < optimal.saved_bytes, plans))
-        return min([optimal, *path], key=_by_peak)
+        if not self._peak_path:
+            family = min(self.families(), key=_by_peak)
+            self._peak_path.append(family)
+            plans = (self._cut(family.boundaries, rate) for rate in self.rates)
+            _extend_until_stale(
+                self._peak_path, itertools.takewhile(lambda p: p.saved_bytes < optimal.saved_bytes, plans)
+            )
+        return min([optimal, *self._peak_path], key=_by_peak)
 
     def fastest_within(self, target: int) -> BudgetSolution:
         """Of the families that fit, the one of lowest estimated peak (trying
@@ -380,19 +387,28 @@ class _Search:
         family = min(fitting, key=_by_peak)
         return self._fastest_rate(family.boundaries, lambda s: s.saved_bytes <= target, family)
 
-    def fastest_under_peak(self, target: int) -> BudgetSolution | None:
+    def fastest_under_peak(self, target: int, optimal: BudgetSolution) -> BudgetSolution | None:
         """The least recompute time whose predicted step peak is at most
-        ``target``: along the rates of the FAMILIES_TRIED fitting families of
-        lowest peak (the most headroom for saving heavy ops); None if no
-        family fits."""
-        fitting = sorted((f for f in self.families() if f.estimated_peak_bytes <= target), key=_by_peak)
+        ``target``, None if no plan the search sees fits. The peak is not
+        monotone in the rate (recomputing a matmul can raise it), so the
+        start is the fastest fitting plan among the families and the
+        lowest-peak walk; from there the rate rises while the plan fits, for
+        the FAMILIES_TRIED fitting boundary sets of least recompute."""
+        self.lowest_peak(optimal)
+        fitting = [p for p in (*self.families(), *self._peak_path) if p.estimated_peak_bytes <= target]
         if not fitting:
             return None
 
         def fits(solution: BudgetSolution) -> bool:
             return solution.estimated_peak_bytes <= target
 
-        plans = [self._fastest_rate(f.boundaries, fits, f) for f in fitting[:FAMILIES_TRIED]]
+        starts: dict[frozenset, BudgetSolution] = {}
+        for plan in sorted(fitting, key=lambda s: (s.recompute_time_s, s.estimated_peak_bytes)):
+            starts.setdefault(plan.boundaries, plan)
+        plans = [
+            self._fastest_rate(start.boundaries, fits, start, above=start.rate)
+            for start in list(starts.values())[:FAMILIES_TRIED]
+        ]
         return min(plans, key=lambda s: (s.recompute_time_s, s.estimated_peak_bytes))
 
     def _all_families(self):
@@ -417,12 +433,12 @@ class _Search:
                 yield self._cut(periodic_boundaries(self.spine, run, phase, blocks), rate=0.0)
         yield self._cut([], rate=0.0)
 
-    def _fastest_rate(self, boundaries, fits, cheapest: BudgetSolution) -> BudgetSolution:
-        """Binary search on the rate: the highest (least recompute) whose plan
-        ``fits``, then on how many of the ops the next rate would save can be
-        saved."""
-        best, best_rate, over = cheapest, 0.0, None
-        low, high = 0, len(self.rates) - 1
+    def _fastest_rate(self, boundaries, fits, cheapest: BudgetSolution, above: float = 0.0) -> BudgetSolution:
+        """Binary search on the rates above ``above`` (where ``cheapest``
+        fits): the highest (least recompute) whose plan ``fits``, then on how
+        many of the ops the next rate would save can be saved."""
+        best, best_rate, over = cheapest, above, None
+        low, high = bisect.bisect_right(self.rates, above), len(self.rates) - 1
         while low <= high:
             middle = (low + high) // 2
             solution = self._cut(boundaries, rate=self.rates[middle])
@@ -476,6 +492,7 @@ class _Search:
             saved_bytes=activation_bytes(self.facts, saved),
             optimal_bytes=0,
             boundaries=frozenset(boundaries),
+            rate=rate,
             priced_recomputed=recomputed,
             estimated_peak_bytes=peak.step_bytes,
             peak=peak,

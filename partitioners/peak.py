@@ -172,7 +172,7 @@ def _in_place_donor(node, reads, step, last_read, alive, kept, facts) -> fx.Node
     """A buffer a pointwise kernel may overwrite with its output: read for the
     last time by this kernel, not kept, of the same size (Inductor's in-place
     buffer reuse; in backward, saved values are donated buffers)."""
-    if value_kind(node, facts) != INLINE:
+    if _kinds_and_owners(facts)[0][node] != INLINE:
         return None
     size = facts.nodes[node].nbytes
     for buffer in sorted(reads, key=lambda b: b.name):
@@ -191,9 +191,10 @@ def kernel_order(facts: GraphFacts, order: list[fx.Node]) -> list[fx.Node]:
     alive through the run (seen in Inductor's generated code: a weight
     gradient's matmul after the fused gelu and LayerNorm backward). Extern
     kernels keep their order among themselves."""
+    kinds = _kinds_and_owners(facts)[0]
     result, pending, waiting = [], [], set()
     for node in order:
-        kind = value_kind(node, facts)
+        kind = kinds[node]
         if _is_extern(node, facts, kind):  # extern kernels keep their order
             result.extend(pending)
             pending, waiting = [node], {node}
@@ -259,17 +260,36 @@ def value_kind(node: fx.Node, facts: GraphFacts) -> str:
 
 def owner(node: fx.Node, facts: GraphFacts) -> fx.Node:
     """The node whose buffer holds ``node``'s value (a view's base)."""
-    while value_kind(node, facts) == ALIAS:
+    owners = _kinds_and_owners(facts)[1]
+    return owners[node] if node in owners else node
+
+
+def _owner(node: fx.Node, facts: GraphFacts, kinds: dict) -> fx.Node:
+    while kinds[node] == ALIAS:
         node = node.args[0]
-        if node.target is operator.getitem and value_kind(node, facts) == ALIAS:
+        if node.target is operator.getitem and kinds[node] == ALIAS:
             node = node.args[0]  # an element of a split: a view of the split's input
     return node
+
+
+# Kinds and owners depend on the graph alone, not on the saved set: the
+# budget search asks for many saved sets of one graph, so the last graph's
+# are kept (one slot, compared by identity).
+_last_graph: list = [None, None]
+
+
+def _kinds_and_owners(facts: GraphFacts) -> tuple[dict, dict]:
+    if _last_graph[0] is not facts:
+        kinds = {node: value_kind(node, facts) for node in facts.nodes}
+        owners = {node: _owner(node, facts, kinds) for node in facts.nodes}
+        _last_graph[:] = [facts, (kinds, owners)]
+    return _last_graph[1]
 
 
 def materialized(facts: GraphFacts, order: list[fx.Node], kept: set[fx.Node]) -> set[fx.Node]:
     """The nodes of ``order`` that write a buffer of their own, by Inductor's rules."""
     in_order = set(order)
-    kinds = {node: value_kind(node, facts) for node in order}
+    kinds = _kinds_and_owners(facts)[0]
     buffers: set[fx.Node] = set()
     inline_reads: dict[fx.Node, frozenset] = {}
     costly: dict[fx.Node, bool] = {}
@@ -322,10 +342,12 @@ def buffer_reads(facts: GraphFacts, order: list[fx.Node], buffers: set[fx.Node])
     """Per buffer-writing node of ``order``, the buffers its kernel reads
     (through inlined values and views). Values from outside ``order`` (saved
     values, inputs) are read as themselves."""
+    kinds, owners = _kinds_and_owners(facts)
     sources: dict[fx.Node, frozenset] = {}
 
     def source(arg: fx.Node) -> frozenset:
-        return sources.get(arg, frozenset({owner(arg, facts)}))
+        # A placeholder (a tangent, a saved value) is read as itself.
+        return sources.get(arg) or frozenset({owners[arg]})
 
     reads: dict[fx.Node, set[fx.Node]] = {}
     for node in order:
@@ -333,11 +355,11 @@ def buffer_reads(facts: GraphFacts, order: list[fx.Node], buffers: set[fx.Node])
         if node in buffers:
             sources[node] = frozenset({node})
             reads[node] = set(arg_sources)
-        elif value_kind(node, facts) == ALIAS:
-            sources[node] = source(owner(node, facts)) if owner(node, facts) is not node else arg_sources
+        elif kinds[node] == ALIAS:
+            sources[node] = source(owners[node]) if owners[node] is not node else arg_sources
         else:  # inlined, or no tensor: its readers read what it reads
             sources[node] = arg_sources
-            if value_kind(node, facts) == NONE and node.op != "placeholder":
+            if kinds[node] == NONE and node.op != "placeholder":
                 reads[node] = set(arg_sources)  # a tuple-valued kernel reads its inputs
     return reads
 
