@@ -146,16 +146,17 @@ def _solve_for_peak(facts, budget, profile, optimal: BudgetSolution, target: int
     does, the plan of lowest predicted peak, with a warning."""
     if target is None:
         target = budget.peak_bytes
+    planned = int(target * (1 - PEAK_MODEL_MARGIN))
     solution, cuts = optimal, 1
-    if optimal.estimated_peak_bytes > target:
+    if optimal.estimated_peak_bytes > planned:
         search = _Search(facts, profile)
-        solution = search.fastest_under_peak(target, optimal)
+        solution = search.fastest_under_peak(planned, optimal)
         if solution is None:
             solution = dataclasses.replace(search.lowest_peak(optimal), fits=False)
             warnings.warn(
-                f"ckpt: no plan of this graph fits the peak budget {budget} ({target} bytes); "
-                f"the lowest predicted step peak is {solution.estimated_peak_bytes} bytes, "
-                "using that plan",
+                f"ckpt: no plan of this graph fits the peak budget {budget} ({target} bytes, "
+                f"planned with a {PEAK_MODEL_MARGIN:.0%} margin); the lowest predicted step peak "
+                f"is {solution.estimated_peak_bytes} bytes, using that plan",
                 stacklevel=3,
             )
         cuts += search.cuts
@@ -167,6 +168,13 @@ def _solve_for_peak(facts, budget, profile, optimal: BudgetSolution, target: int
         solve_time_s=time.perf_counter() - start,
     )
 
+
+# Peak budgets plan for a predicted peak this much below the target: the
+# peak model under-predicts Inductor's backward by up to this much on the
+# bench's attention models at tight plans (python -m bench.peak_model:
+# vit, gpt-dropout 4-7%, llama 11-13%), and an OOM costs more than a
+# slightly slower plan.
+PEAK_MODEL_MARGIN = 0.10
 
 # peak:auto leaves this share of the device's free memory unplanned: the
 # caching allocator's rounding and fragmentation, and library workspaces

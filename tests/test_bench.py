@@ -178,3 +178,35 @@ def test_bad_cap_and_unknown_model_are_clear_errors():
         run(["--models", "mlp", "--cap", "lots"])
     with pytest.raises(SystemExit, match="unknown model"):
         run(["--models", "resnet50"])
+
+
+def test_predicted_step_peak_composes_graphs_in_run_order():
+    from bench.harness import predicted_step_peak
+    from partitioners.peak import PeakEstimate
+
+    class Planned:
+        def __init__(self, peak):
+            self.peak_estimate = peak
+
+    model = PeakEstimate(forward_bytes=100, backward_bytes=300, held_bytes=60, output_bytes=10, gradient_bytes=50)
+    loss = PeakEstimate(forward_bytes=5, backward_bytes=20, held_bytes=4, output_bytes=1, gradient_bytes=10)
+    assert predicted_step_peak([Planned(model)]) == 300
+    # The loss graph runs after the model's forward holds 60 + 10 bytes, and
+    # its gradient (10) is alive while the model's backward runs.
+    assert predicted_step_peak([Planned(model), Planned(loss)]) == max(100, 300 + 10, 70 + 5, 60 + 20)
+    assert predicted_step_peak([Planned(model), object()]) is None  # a graph without a prediction
+    assert predicted_step_peak([]) is None
+
+
+def test_peak_budget_mode_compiles_per_batch_in_the_cap_search():
+    case = cases.builtin_case("mlp", "quick")
+    mode = parse_mode("ckpt+budget=peak:64KiB")
+    result = run_case(case, [mode], Settings(repeats=1, probes=1, cap=2**30))
+    (row,) = result.modes
+    assert row.error is None, row.error
+    assert row.predicted_peak_bytes is not None and row.peak_bytes > 0
+    # The probe doubles the batch and recompiles for it (a plan per batch).
+    (start, start_peak), (doubled, doubled_peak) = row.cap_probes
+    assert (start, doubled) == (case.batch, 2 * case.batch)
+    assert doubled_peak > start_peak
+    assert row.cap_batch == 2 * case.batch
