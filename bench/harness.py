@@ -188,9 +188,14 @@ def measure_memory(prep: Prepared, result: ModeResult, device: str) -> list[torc
     result.partitioner_s = _partitioner_seconds()
     grads = [None if p.grad is None else p.grad.detach().clone() for p in prep.model.parameters()]
     plans = prep.runner.plans
-    result.plan_saved_bytes = _plans_sum(plans, "saved_activation_bytes")
+    runs = step_plans(prep.runner)
+    result.plan_saved_bytes = None if runs is None else _plans_sum(runs, "saved_activation_bytes")
     result.solve_s = _plans_sum(plans, "solve_time_s")
-    result.predicted_peak_bytes = predicted_step_peak(plans)
+    # Per-block compile runs the rest of the model (embeddings, head, loss)
+    # eagerly, outside any Plan: a peak composed of the blocks' graphs alone
+    # would read as the step's and be too low, so there is no prediction.
+    per_block = prep.runner.blocks is not None
+    result.predicted_peak_bytes = None if per_block else predicted_step_peak(plans)
     result.fallback = next((p.fallback for p in plans if p.fallback), None)
 
     prep.model.zero_grad(set_to_none=True)
@@ -203,6 +208,23 @@ def measure_memory(prep: Prepared, result: ModeResult, device: str) -> list[torc
     prep.model.zero_grad(set_to_none=True)
     result.peak_bytes = peak_bytes(prep.step, device)
     return grads
+
+
+def step_plans(runner: Runner) -> list | None:
+    """The Plans in the order one step runs their graphs (None when unknown).
+
+    A whole-model compile runs each graph once. Blocks compiled one by one
+    usually share one graph (Dynamo reuses it for every block of the class,
+    the parameters being inputs): its Plan runs once per block. One Plan per
+    block is one graph each; any other count (some blocks sharing, some not)
+    does not say which block ran which graph.
+    """
+    plans = runner.plans
+    if runner.blocks is None or len(plans) == runner.blocks:
+        return list(plans)
+    if len(plans) == 1:
+        return list(plans) * runner.blocks
+    return None
 
 
 def predicted_step_peak(plans: list) -> int | None:

@@ -6,6 +6,10 @@
     compile+budget=F       the same under PyTorch's activation_memory_budget=F
     ckpt                   torch.compile with ckpt's backend
     ckpt+budget=B          ckpt with Config.memory_budget=B (B: 0.3, 16MiB, peak:64MiB)
+    ckpt-per-block         each repeated block compiled on its own with ckpt's backend
+                           (``block.compile(...)``, as torchtitan and transformers users do);
+                           the rest of the model runs eagerly
+    ckpt-per-block+budget=B  the same under Config.memory_budget=B, applied to each block's graph
 """
 from __future__ import annotations
 
@@ -19,15 +23,17 @@ import torch
 
 from partitioners.config import ConfigError, MemoryBudget
 
-KINDS = ("eager", "eager+checkpoint", "compile", "ckpt")
+KINDS = ("eager", "eager+checkpoint", "compile", "ckpt", "ckpt-per-block")
+CKPT_KINDS = ("ckpt", "ckpt-per-block")
 VALID_FORMS = (
     "eager, eager+checkpoint, compile, compile+budget=F (F a fraction 0..1), "
-    "ckpt, ckpt+budget=B (B a fraction 0..1, bytes such as 16MiB, 2GB, or a step peak such as peak:64MiB)"
+    "ckpt, ckpt+budget=B (B a fraction 0..1, bytes such as 16MiB, 2GB, or a step peak such as peak:64MiB), "
+    "ckpt-per-block, ckpt-per-block+budget=B"
 )
 DEFAULT_MODES = ("eager", "eager+checkpoint", "compile", "compile+budget=0.5", "ckpt", "ckpt+budget=0.5")
 
 _NUMBER = r"(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?"
-_MODE_RE = re.compile(r"(eager\+checkpoint|eager|compile|ckpt)(?:\+budget=(.*))?")
+_MODE_RE = re.compile(r"(eager\+checkpoint|eager|compile|ckpt-per-block|ckpt)(?:\+budget=(.*))?")
 
 
 class ModeError(ValueError):
@@ -57,7 +63,7 @@ class Mode:
 
     @property
     def compiled(self) -> bool:
-        return self.kind in ("compile", "ckpt")
+        return self.kind in ("compile", *CKPT_KINDS)
 
     @property
     def checkpoint_blocks(self) -> bool:
@@ -73,8 +79,10 @@ def parse_mode(text: str) -> Mode:
     if budget is None:
         return Mode(kind)
     budget = budget.strip()
-    if kind not in ("compile", "ckpt"):
-        raise ModeError(f"mode {text!r}: only compile and ckpt take a budget; valid forms: {VALID_FORMS}")
+    if kind not in ("compile", *CKPT_KINDS):
+        raise ModeError(
+            f"mode {text!r}: only compile, ckpt and ckpt-per-block take a budget; valid forms: {VALID_FORMS}"
+        )
     if not _valid_budget(kind, budget):
         raise ModeError(f"mode {text!r}: bad budget {budget!r}; valid forms: {VALID_FORMS}")
     return Mode(kind, budget)
@@ -110,6 +118,10 @@ class Runner:
     """The Plans ckpt recorded (empty for other modes)."""
     context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
     """Entered around every step: compiles are lazy and a new shape recompiles."""
+    blocks: int | None = None
+    """How many blocks were compiled one by one (ckpt-per-block); None when the
+    whole model is one torch.compile. Blocks of one class usually share one
+    compiled graph, and so one Plan, run once per block."""
 
 
 def build_runner(model: torch.nn.Module, mode: Mode, dynamic: bool | None = False) -> Runner:
@@ -131,4 +143,31 @@ def build_runner(model: torch.nn.Module, mode: Mode, dynamic: bool | None = Fals
 
     overrides = {} if mode.budget is None else {"memory_budget": MemoryBudget.parse(mode.budget)}
     backend = make_backend(**overrides)
+    if mode.kind == "ckpt-per-block":
+        blocks = repeated_blocks(model)
+        for block in blocks:  # one backend for all: its plans list collects every block's Plan
+            block.compile(backend=backend, dynamic=dynamic)
+        return Runner(model, backend.plans, blocks=len(blocks))
     return Runner(torch.compile(model, backend=backend, dynamic=dynamic), backend.plans)
+
+
+def repeated_blocks(model: torch.nn.Module) -> torch.nn.ModuleList:
+    """The model's list of repeated blocks: the ``nn.ModuleList`` whose elements
+    all have one class (``blocks``, a decoder's ``model.layers``, GPT-2's
+    ``transformer.h``, BERT's ``encoder.layer``), the one with the most
+    parameters where there are several (an expert list inside a layer holds
+    fewer than the layer list). ValueError when the model has none."""
+    candidates = [
+        (sum(p.numel() for p in module.parameters()), name, module)
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.ModuleList) and len(module) > 0
+        and len({type(block) for block in module}) == 1
+    ]
+    if not candidates:
+        raise ValueError(
+            f"{type(model).__name__} has no list of repeated blocks to compile one by one (an "
+            "nn.ModuleList whose elements share one class, such as model.layers or transformer.h); "
+            "use the ckpt mode, which compiles the whole model"
+        )
+    _, _, blocks = max(candidates, key=lambda c: c[0])  # ties: the first in module order
+    return blocks

@@ -83,6 +83,9 @@ class BudgetSolution:
     recompute_time_s: float = 0.0
     """Estimated runtime of the heavy ops recomputed because of the budget."""
     fits: bool = True
+    note: str | None = None
+    """Why the plan saves what it does when that is not plain from the budget
+    (a fraction stopped at the plan of lowest predicted peak)."""
     cuts: int = 1
     solve_time_s: float = 0.0
 
@@ -123,7 +126,8 @@ def solve_with_budget(
     search = _Search(facts, profile)
     floor = search.lowest_peak(optimal) if budget.fraction is not None else None
     if floor is not None and target <= floor.saved_bytes:
-        solution, target = floor, floor.saved_bytes
+        note = _floor_note(budget, floor, search.lowest_peak_saving_less(floor.saved_bytes))
+        solution, target = dataclasses.replace(floor, note=note), floor.saved_bytes
     else:
         solution = search.fastest_within(target)
     if not solution.fits:
@@ -210,6 +214,21 @@ def _graph_device(graph: fx.Graph) -> torch.device | None:
         if isinstance(value, torch.Tensor):
             return value.device
     return None
+
+
+def _floor_note(budget: MemoryBudget, floor: BudgetSolution, smaller: BudgetSolution | None) -> str:
+    """Why a fraction stopped at ``floor``: each plan the search saw that saves
+    less has a higher predicted step peak (``smaller``: the lowest of them)."""
+    text = (
+        f"fraction {budget.fraction} stops at the plan of lowest predicted step peak "
+        f"({floor.estimated_peak_bytes} bytes, saving {floor.saved_bytes})"
+    )
+    if smaller is None:
+        return text + "; no plan saves less"
+    return text + (
+        f"; the lowest-peak plan saving less (saving {smaller.saved_bytes} bytes) predicts "
+        f"{smaller.estimated_peak_bytes} bytes, so saving less would not lower the peak"
+    )
 
 
 def _target_bytes(budget: MemoryBudget | None, optimal_bytes: int) -> int:
@@ -382,6 +401,12 @@ class _Search:
                 self._peak_path, itertools.takewhile(lambda p: p.saved_bytes < optimal.saved_bytes, plans)
             )
         return min([optimal, *self._peak_path], key=_by_peak)
+
+    def lowest_peak_saving_less(self, nbytes: int) -> BudgetSolution | None:
+        """Of the plans lowest_peak saw (the families and the lowest-peak
+        walk), the one of lowest predicted peak that saves less than ``nbytes``."""
+        smaller = [p for p in (*self.families(), *self._peak_path) if p.saved_bytes < nbytes]
+        return min(smaller, key=_by_peak, default=None)
 
     def fastest_within(self, target: int) -> BudgetSolution:
         """Of the families that fit, the one of lowest estimated peak (trying

@@ -53,6 +53,9 @@ class Plan:
     optimal_bytes: int = 0
     """Saved bytes of the runtime-optimal plan for this graph."""
     fits_budget: bool = True
+    budget_note: str | None = None
+    """Why the plan saves what it does when the budget alone does not say
+    (a fraction that stopped at the plan of lowest predicted peak)."""
     peak_estimate: PeakEstimate | None = None
     """The forward and backward peaks behind ``estimated_peak_bytes``, and what
     forward holds for backward (to compose the graphs of one step)."""
@@ -115,6 +118,7 @@ def build_plan(facts: GraphFacts, saved: list[fx.Node], solution: BudgetSolution
         budget_bytes=solution.target_bytes,
         optimal_bytes=solution.optimal_bytes,
         fits_budget=solution.fits,
+        budget_note=solution.note,
         estimated_peak_bytes=solution.estimated_peak_bytes,
         peak_estimate=solution.peak,
         recompute_time_s=solution.recompute_time_s,

@@ -95,6 +95,7 @@ def build_report(result: Partition | None, plan: Plan, pytorch: PyTorchDecisions
             "budget_bytes": plan.budget_bytes if plan.budget else None,
             "optimal_saved_bytes": plan.optimal_bytes,
             "fits_budget": plan.fits_budget,
+            "budget_note": plan.budget_note,
             "estimated_budget_recompute_us": round(plan.recompute_time_s * 1e6, 1),
             "estimated_peak_bytes": plan.estimated_peak_bytes,
         },
@@ -168,10 +169,12 @@ def _budget_line(totals: dict) -> str:
         return f"none set (runtime-optimal plan, {_size(totals['optimal_saved_bytes'])})"
     verdict = "fits" if totals["fits_budget"] else "does not fit: smallest plan used"
     asked = "" if totals["budget"].endswith("bytes") else f" ({totals['budget']})"
+    note = totals.get("budget_note")  # reports written before the field have none
     return (
         f"{_size(totals['budget_bytes'])}{asked}, {verdict}; runtime-optimal saves "
         f"{_size(totals['optimal_saved_bytes'])}; heavy ops recomputed for it: "
         f"{totals['estimated_budget_recompute_us']} us (cost model)"
+        + (f"; {note}" if note else "")
     )
 
 

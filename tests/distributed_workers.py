@@ -102,6 +102,20 @@ def tensor_parallel(rank, world, port, out):
 
 
 def fsdp(rank, world, port, out):
+    """FSDP2 per block and at the root, the whole model compiled."""
+    _fsdp_training(rank, world, port, out, "fsdp", per_block=False)
+
+
+def fsdp_per_block(rank, world, port, out):
+    """FSDP2 per block and at the root, then each block compiled on its own
+    (``block.compile``), as torchtitan does; two steps."""
+    _fsdp_training(rank, world, port, out, "fsdp_per_block", per_block=True, steps=2)
+
+
+def _fsdp_training(rank, world, port, out, name, *, per_block, steps=3):
+    """``steps`` SGD steps of a sharded, compiled GPT beside an unsharded eager
+    one; writes both losses per step, the largest parameter difference at the
+    end, and the Plans' count and fallbacks."""
     from torch.distributed.fsdp import fully_shard
 
     from bench.models import GPT, GPTConfig, gpt_batch
@@ -116,11 +130,16 @@ def fsdp(rank, world, port, out):
         fully_shard(block)
     fully_shard(model)
     backend = make_backend(strict=True)
-    compiled = torch.compile(model, backend=backend)
+    if per_block:
+        for block in model.blocks:
+            block.compile(backend=backend)
+        compiled = model
+    else:
+        compiled = torch.compile(model, backend=backend)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
     losses = []
-    for step in range(3):
+    for step in range(steps):
         batch = gpt_batch(cfg, 2, seed=step)
         for fn, opt in ((compiled, optimizer), (reference, reference_optimizer)):
             loss = fn(*batch)
@@ -132,7 +151,7 @@ def fsdp(rank, world, port, out):
         (p.full_tensor() - q).abs().max().item()
         for p, q in zip(model.parameters(), reference.parameters(), strict=True)
     ]
-    _write(out, "fsdp", rank, {
+    _write(out, name, rank, {
         "losses": losses,
         "param_diff": max(params),
         "plans": len(backend.plans),

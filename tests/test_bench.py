@@ -23,6 +23,9 @@ from bench.models import GPT, MLP, ConvNet, GPTConfig, gpt_batch, image_batch
     ("ckpt+budget=16MiB", Mode("ckpt", "16MiB")),
     ("ckpt+budget=2GB", Mode("ckpt", "2GB")),
     ("ckpt+budget=1.5e9", Mode("ckpt", "1.5e9")),
+    ("ckpt-per-block", Mode("ckpt-per-block")),
+    ("ckpt-per-block+budget=0.0", Mode("ckpt-per-block", "0.0")),
+    ("ckpt-per-block+budget=peak:64MiB", Mode("ckpt-per-block", "peak:64MiB")),
 ])
 def test_valid_modes_parse_and_print_back(text, mode):
     assert parse_mode(text) == mode
@@ -33,10 +36,66 @@ def test_valid_modes_parse_and_print_back(text, mode):
     "inductor", "Compile", "ckpt+", "ckpt+budget=", "ckpt+budget=lots", "ckpt+budget=-1",
     "ckpt+budget=16 parsecs", "compile+budget=16MiB", "compile+budget=1.5",
     "eager+budget=0.5", "eager+checkpoint+budget=0.5", "ckpt+checkpoint",
+    "ckpt-per-block+budget=lots", "ckpt-per-blocks", "ckpt-per-block+checkpoint",
 ])
 def test_invalid_modes_name_the_valid_forms(text):
     with pytest.raises(ModeError, match="valid forms: eager, eager\\+checkpoint, compile"):
         parse_mode(text)
+
+
+def test_per_block_mode_is_compiled_and_says_so_in_the_error_forms():
+    assert parse_mode("ckpt-per-block").compiled
+    with pytest.raises(ModeError, match="ckpt-per-block, ckpt-per-block\\+budget=B"):
+        parse_mode("per-block")
+
+
+def test_repeated_blocks_finds_the_block_list():
+    from bench.modes import repeated_blocks
+
+    gpt = GPT(GPTConfig(depth=3, width=16, heads=2, seq=4, vocab=8))
+    assert repeated_blocks(gpt) is gpt.blocks
+    mlp = MLP(depth=2, width=8)
+    assert repeated_blocks(mlp) is mlp.blocks
+
+
+class _Experts(torch.nn.Module):
+    """A layer with a list of small experts inside: the layer list holds more."""
+
+    def __init__(self):
+        super().__init__()
+        self.attn = torch.nn.Linear(8, 8)
+        self.experts = torch.nn.ModuleList(torch.nn.Linear(8, 8, bias=False) for _ in range(2))
+
+
+def test_repeated_blocks_prefers_the_list_with_most_parameters():
+    from bench.modes import repeated_blocks
+
+    model = torch.nn.Module()
+    model.model = torch.nn.Module()
+    model.model.layers = torch.nn.ModuleList(_Experts() for _ in range(2))
+    model.heads = torch.nn.ModuleList([torch.nn.Linear(8, 2), torch.nn.Linear(8, 3)])
+    assert repeated_blocks(model) is model.model.layers
+
+
+def test_repeated_blocks_without_a_block_list_is_a_clear_error():
+    from bench.modes import repeated_blocks
+
+    mixed = torch.nn.Module()
+    mixed.parts = torch.nn.ModuleList([torch.nn.Linear(4, 4), torch.nn.ReLU()])
+    for model in (ConvNet(channels=4, stages=2), mixed):
+        with pytest.raises(ValueError, match="has no list of repeated blocks .* use the ckpt mode"):
+            repeated_blocks(model)
+
+
+def test_step_plans_repeat_a_shared_block_plan():
+    from bench.harness import step_plans
+    from bench.modes import Runner
+
+    a, b = object(), object()
+    assert step_plans(Runner(None, [a, b])) == [a, b]  # whole model: each graph once
+    assert step_plans(Runner(None, [a], blocks=3)) == [a, a, a]  # one graph for every block
+    assert step_plans(Runner(None, [a, b], blocks=2)) == [a, b]  # a graph per block
+    assert step_plans(Runner(None, [a, b], blocks=3)) is None  # which block ran which: unknown
 
 
 def test_mode_lists_keep_order_and_drop_duplicates():

@@ -1,6 +1,7 @@
 """The memory budget: parsing, the solver on tiny graphs (no Inductor), and
 gradients at tight budgets through Inductor."""
 import copy
+import re
 import functools
 import warnings
 
@@ -366,3 +367,41 @@ def test_peak_auto_on_cpu_fails_the_compile_with_the_setting_named():
     compiled = torch.compile(model, backend=make_backend(memory_budget="peak:auto"))
     with pytest.raises(ConfigError, match=r"^memory_budget='peak:auto' needs a CUDA device"):
         compiled(torch.randn(4, 8))
+
+
+def _one_layer_qwen3():
+    """Qwen3 from transformers' config, one decoder layer: its attention
+    normalizes q and k per head (q_norm, k_norm) before RoPE."""
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed (bench extra)")
+    config = transformers.Qwen3Config(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        max_position_embeddings=32, use_cache=False,
+    )
+    torch.manual_seed(0)
+    return transformers.Qwen3ForCausalLM(config)
+
+
+def test_one_layer_qwen3_at_fraction_zero_keeps_the_lowest_peak_plan_and_says_why():
+    """At 0.0 one Qwen3 layer saves what the runtime-optimal plan saves: its
+    predicted step peak is below every plan that saves less (by a few
+    hundred bytes: recomputing q/k norms in backward costs their outputs at
+    the peak). The spine is found; the Plan says why it saves no less."""
+    model = _one_layer_qwen3()
+    tokens = torch.randint(256, (2, 32), generator=torch.Generator().manual_seed(0))
+    backend = make_backend(strict=True, memory_budget=0.0)
+    torch.compile(lambda t: model(input_ids=t, labels=t).loss, backend=backend)(tokens).backward()
+    (plan,) = backend.plans
+    assert plan.fallback is None
+    assert plan.saved_activation_bytes == plan.optimal_bytes == plan.budget_bytes
+    match = re.fullmatch(
+        r"fraction 0\.0 stops at the plan of lowest predicted step peak \((\d+) bytes, saving (\d+)\); "
+        r"the lowest-peak plan saving less \(saving (\d+) bytes\) predicts (\d+) bytes, "
+        r"so saving less would not lower the peak",
+        plan.budget_note,
+    )
+    assert match, plan.budget_note
+    peak, saved, smaller_saved, smaller_peak = map(int, match.groups())
+    assert (peak, saved) == (plan.estimated_peak_bytes, plan.saved_activation_bytes)
+    assert smaller_saved < saved // 4  # a smaller plan exists (segment boundaries on the spine) ...
+    assert smaller_peak > peak  # ... but its predicted peak is higher

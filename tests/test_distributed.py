@@ -53,6 +53,15 @@ def test_fsdp2_training_matches_single_process_eager(tmp_path):
         assert result["param_diff"] < 1e-5
 
 
+def test_fsdp2_with_each_block_compiled_on_its_own_matches_eager(tmp_path):
+    for result in _run(workers.fsdp_per_block, tmp_path, "fsdp_per_block"):
+        # The blocks' graphs were partitioned by ckpt, none fell back.
+        assert result["fallbacks"] == [None] * result["plans"] and result["plans"] >= 1
+        compiled, eager = result["losses"][0::2], result["losses"][1::2]
+        assert len(compiled) == 2 and max(abs(a - b) for a, b in zip(compiled, eager)) < 1e-5
+        assert result["param_diff"] < 1e-5
+
+
 def test_ranks_that_decide_differently_stop_with_a_clear_error(tmp_path):
     for rank, result in enumerate(_run(workers.mismatch, tmp_path, "mismatch")):
         other = 1 - rank

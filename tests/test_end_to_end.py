@@ -20,17 +20,23 @@ TOLERANCE = dict(rtol=1e-4, atol=1e-5)
 SMALL_GPT = GPTConfig(depth=2, width=32, heads=2, seq=32, vocab=64)
 
 
-def assert_same_training_step(model, *args, backend=None, steps=1):
+def assert_same_training_step(model, *args, backend=None, steps=1, per_block=False):
     """Train a compiled copy and an eager copy side by side with SGD; compare
     losses and gradients each step, and parameters and buffers at the end.
-    Returns the backend."""
+    ``per_block``: compile each of ``model.blocks`` on its own
+    (``block.compile``), not the whole model. Returns the backend."""
     backend = backend or make_backend(strict=True)
     eager = copy.deepcopy(model)
     compiled_model = copy.deepcopy(model)
+    if per_block:
+        for block in compiled_model.blocks:
+            block.compile(backend=backend)
+        compiled = compiled_model
+    else:
+        compiled = torch.compile(compiled_model, backend=backend)
     runs = [
         (eager, eager, torch.optim.SGD(eager.parameters(), lr=0.1)),
-        (compiled_model, torch.compile(compiled_model, backend=backend),
-         torch.optim.SGD(compiled_model.parameters(), lr=0.1)),
+        (compiled_model, compiled, torch.optim.SGD(compiled_model.parameters(), lr=0.1)),
     ]
     for _ in range(steps):
         (eager_loss, eager_grads), (loss, grads) = [_sgd_step(*run, args) for run in runs]
@@ -112,6 +118,23 @@ class WithGraphBreak(nn.Module):
         h = F.gelu(self.a(x))
         torch._dynamo.graph_break()
         return self.b(torch.tanh(h)).mean()
+
+
+def test_gpt_with_each_block_compiled_on_its_own():
+    """torchtitan's and transformers' way: ``block.compile(backend=...)`` per
+    decoder block, the embeddings and the loss eager. Gradients match eager
+    (TOLERANCE) with no budget and at budget 0.0; the blocks share one graph,
+    so one Plan, and at 0.0 that Plan saves less."""
+    saved = {}
+    for budget in (None, 0.0):
+        torch._dynamo.reset()
+        backend = make_backend(strict=True, memory_budget=budget)
+        assert_same_training_step(GPT(SMALL_GPT), *gpt_batch(SMALL_GPT, 2), backend=backend, steps=2,
+                                  per_block=True)
+        (plan,) = backend.plans  # both blocks ran the one graph
+        assert plan.fallback is None
+        saved[budget] = plan.saved_activation_bytes
+    assert saved[0.0] < saved[None]
 
 
 def test_graph_break_partitions_each_graph():
@@ -219,3 +242,25 @@ def test_selective_checkpoint_policy_must_save_is_honored():
     assert len(matmuls) == 3
     assert all(d.reason == "saved: checkpoint policy MUST_SAVE" for d in matmuls)
     assert "gelu" not in " ".join(plan.saved)
+
+
+def test_per_block_mode_through_the_bench_harness():
+    """The bench's ckpt-per-block mode: one backend for all blocks, whose one
+    Plan counts once per block in the step's planned saved bytes."""
+    from bench import cases
+    from bench.harness import ModeResult, measure_memory, prepare
+    from bench.modes import parse_mode
+
+    case = cases.builtin_case("gpt", "quick")
+    mode = parse_mode("ckpt-per-block+budget=0.0")
+    base = case.build()
+    prep = prepare(case, base, mode, case.batch, "cpu")
+    result = ModeResult(str(mode), case.batch)
+    measure_memory(prep, result, "cpu")
+    (plan,) = prep.runner.plans
+    blocks = len(base.blocks)
+    assert prep.runner.blocks == blocks == 2 and plan.fallback is None
+    assert result.plan_saved_bytes == blocks * plan.saved_activation_bytes
+    # Autograd also holds what the eager embeddings, head and loss save.
+    assert result.saved_bytes > result.plan_saved_bytes
+    assert result.predicted_peak_bytes is None  # the eager parts are not predicted
