@@ -69,12 +69,35 @@ def depth_sweep(sweep: list[CaseResult], path: str) -> bool:
     return True
 
 
+def largest_batch(case: CaseResult, path: str) -> bool:
+    """Per mode, the largest batch under the cap (bars) and the throughput
+    there (dots, right axis); False (and no file) without a batch search."""
+    rows = [r for r in case.modes if r.cap_batch is not None]
+    if not rows or case.cap_bytes is None:
+        return False
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    positions = range(len(rows))
+    ax.bar(positions, [r.cap_batch for r in rows], color="tab:blue", alpha=0.7)
+    ax.set_xticks(list(positions), [r.mode for r in rows], rotation=25, ha="right", fontsize=8)
+    style_axes(ax, "", "largest batch under the cap (bars)",
+               f"{case.name}: cap {case.cap_bytes / MiB:.1f} MiB")
+    speed = ax.twinx()
+    speed.scatter(list(positions), [r.cap_throughput or 0 for r in rows], color="tab:red", zorder=3)
+    speed.set_ylabel(f"{case.unit}/s at that batch (dots)")
+    speed.set_ylim(bottom=0)
+    save(fig, path)
+    return True
+
+
 def write_plots(models: list[CaseResult], sweep: list[CaseResult], out: str) -> list[str]:
     """Every plot into ``out``; the paths written."""
     written = []
     for case in models:
         path = os.path.join(out, f"{case.name}_memory_vs_time.png")
         if memory_vs_time(case, path):
+            written.append(path)
+        path = os.path.join(out, f"{case.name}_largest_batch.png")
+        if largest_batch(case, path):
             written.append(path)
     path = os.path.join(out, "depth_sweep.png")
     if sweep and depth_sweep(sweep, path):
