@@ -258,14 +258,14 @@ def test_predicted_step_peak_composes_graphs_in_run_order():
 
 
 def test_peak_budget_mode_compiles_per_batch_in_the_cap_search():
+    from bench.harness import CapSearch
+
     case = cases.builtin_case("mlp", "quick")
-    mode = parse_mode("ckpt+budget=peak:64KiB")
-    result = run_case(case, [mode], Settings(repeats=1, probes=1, cap=2**30))
-    (row,) = result.modes
-    assert row.error is None, row.error
-    assert row.predicted_peak_bytes is not None and row.peak_bytes > 0
-    # The probe doubles the batch and recompiles for it (a plan per batch).
-    (start, start_peak), (doubled, doubled_peak) = row.cap_probes
-    assert (start, doubled) == (case.batch, 2 * case.batch)
-    assert doubled_peak > start_peak
-    assert row.cap_batch == 2 * case.batch
+    torch.manual_seed(0)
+    search = CapSearch(case, case.build(), parse_mode("ckpt+budget=peak:64KiB"), Settings())
+    assert search.per_batch and search.start_peak > 0
+    plans = search.prep.runner.plans
+    # A probe at another batch recompiles for it: a new graph, a new Plan.
+    assert search.peak_at(2 * case.batch) > search.start_peak
+    assert search.prep.args[0].shape[0] == 2 * case.batch
+    assert search.prep.runner.plans is not plans and len(search.prep.runner.plans) == 1
