@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: install test demo bench clean
+.PHONY: install test test-torch2.14 demo bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,6 +19,22 @@ install: $(VENV)/.installed
 test: install
 	$(PY) -m pytest -q tests
 
+# The same suite on torch 2.14.1, in its own venv (.venv stays on 2.13.0,
+# which CI tests). 2.14.1 and its CUDA libraries are on the machine's disk:
+# the first run installs about 5.6 GB; the tests run on CPU.
+VENV_TORCH214 ?= .venv-torch2.14
+PY_TORCH214 := $(VENV_TORCH214)/bin/python
+
+$(VENV_TORCH214)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV_TORCH214)
+	$(PY_TORCH214) -m pip install --quiet --upgrade pip
+	$(PY_TORCH214) -m pip install --quiet "torch==2.14.1"
+	$(PY_TORCH214) -m pip install --quiet -e ".[test,bench]"
+	touch $@
+
+test-torch2.14: $(VENV_TORCH214)/.installed
+	$(PY_TORCH214) -m pytest -q tests
+
 demo: install
 	$(PY) -m bench.demo
 
@@ -28,4 +44,4 @@ bench: install
 	$(PY) -m bench $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(VENV_TORCH214) build *.egg-info

@@ -46,6 +46,7 @@ __all__ = [
     "is_sym_node",
     "is_tangent",
     "is_with_effects",
+    "module_stack",
     "must_be_in_backward",
     "must_be_in_forward",
     "torch_default_partition",
@@ -65,6 +66,26 @@ is_with_effects = _aot_utils.is_with_effects
 # Placement tags AOTAutograd writes into node.meta["partitioner_tag"].
 must_be_in_forward = _torch_partitioners._must_be_in_forward
 must_be_in_backward = _torch_partitioners._must_be_in_backward
+
+
+# Inductor fuses a device's seed (and eager-offset) draws into one node that
+# feeds every random op of the graph (fx_passes/replace_random.py). From
+# torch 2.14 that node copies the first draw's meta, nn_module_stack included,
+# so it would be named after the first dropout's module; 2.13 leaves it
+# without a module stack.
+_FUSED_RNG_STATE_OPS = frozenset({
+    torch.ops.prims.inductor_seeds.default,
+    torch.ops.prims.inductor_rand_eager_offsets.default,
+})
+
+
+def module_stack(node: fx.Node) -> dict | None:
+    """The node's ``nn_module_stack`` (Dynamo's module paths, outermost
+    first), or None: unknown, or a graph-wide node such as Inductor's fused
+    seeds, which belongs to no one module on any torch version."""
+    if node.target in _FUSED_RNG_STATE_OPS:
+        return None
+    return node.meta.get("nn_module_stack")
 
 
 def hint_int(value: int | torch.SymInt) -> int:

@@ -39,8 +39,8 @@ def canonical_names(graph: fx.Graph) -> dict[fx.Node, str]:
 
 def module_path(node: fx.Node) -> str:
     """The innermost module that produced the node, or ``-`` when unknown
-    (backward nodes and code outside any submodule)."""
-    stack = node.meta.get("nn_module_stack")
+    (backward nodes, code outside any submodule, Inductor's fused seeds)."""
+    stack = compat.module_stack(node)
     if not stack:
         return "-"
     path, _ = list(stack.values())[-1]
