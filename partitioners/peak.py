@@ -48,8 +48,6 @@ INLINABLE = frozenset({
     OpCategory.POINTWISE, OpCategory.SEEDED_RANDOM, OpCategory.DATA_MOVEMENT,
     OpCategory.CONSTANT,
 })
-# Categories that never allocate: they alias a buffer or hold no tensor.
-ALIASING = frozenset({OpCategory.VIEW, OpCategory.GETITEM, OpCategory.INPUT, OpCategory.SYMBOLIC})
 # Categories Inductor lowers to a reduction kernel with a buffer of its own.
 REDUCTIONS = frozenset({OpCategory.REDUCTION, OpCategory.SHRINKING_REDUCTION})
 
@@ -140,7 +138,6 @@ def walk(facts: GraphFacts, order: list[fx.Node], kept: set[fx.Node],
         for copy in reads.get(node, set()) & facts.relaid_inputs - alive:
             alive.add(copy)  # Inductor's channels-last copy of an input
             live += facts.nodes[copy].nbytes
-            last_read.setdefault(copy, step)
         if node in buffers and node not in alive:
             donor = _in_place_donor(node, reads.get(node, ()), step, last_read, alive, kept, facts)
             if donor is not None:  # the kernel writes into a buffer it reads for the last time
@@ -305,7 +302,7 @@ def materialized(facts: GraphFacts, order: list[fx.Node], kept: set[fx.Node]) ->
             or facts.nodes[node].category is OpCategory.SEEDED_RANDOM
             or any(costly.get(a, False) for a in node.all_input_nodes)
         )
-        users = _readers(node, facts, in_order, kinds)
+        users = _readers(node, in_order, kinds)
         if (
             node in kept
             or node in facts.backward_outputs
@@ -319,7 +316,7 @@ def materialized(facts: GraphFacts, order: list[fx.Node], kept: set[fx.Node]) ->
     return buffers
 
 
-def _readers(node: fx.Node, facts: GraphFacts, in_order: set, kinds: dict) -> list[fx.Node]:
+def _readers(node: fx.Node, in_order: set, kinds: dict) -> list[fx.Node]:
     """The nodes of this phase that read ``node``, looking through views."""
     readers, stack = [], [node]
     while stack:
