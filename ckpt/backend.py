@@ -64,7 +64,7 @@ class CkptBackend:
             # line of Dynamo's BackendCompilerFailed; this class passes through.
             raise CompileTimeConfigError(str(error), inspect.currentframe()) from None
         partitioner = CkptPartitioner(config, on_plan=self.plans.append, on_report=self.reports.append)
-        return compat.compile_fx(
+        return compat.compile_fx_near_fusion_in_backward(
             gm, example_inputs, config_patches={**patches, PARTITIONER_OPTION: partitioner}
         )
 

@@ -119,7 +119,7 @@ def walk(facts: GraphFacts, order: list[fx.Node], kept: set[fx.Node],
          start: set[fx.Node] = frozenset(), trace: list | None = None) -> int:
     """Peak bytes of running ``order`` with ``start`` buffers alive at the
     beginning and ``kept`` ones never freed. ``trace`` collects
-    ``(node, live bytes)`` per step, for calibration."""
+    ``(node, live bytes, alive buffers)`` per step, for calibration."""
     order = kernel_order(facts, order)
     buffers = materialized(facts, order, kept)
     reads = buffer_reads(facts, order, buffers)
@@ -151,7 +151,7 @@ def walk(facts: GraphFacts, order: list[fx.Node], kept: set[fx.Node],
         now = live + workspace_bytes(node, facts)
         peak = max(peak, now)
         if trace is not None:
-            trace.append((node, now))
+            trace.append((node, now, frozenset(alive)))
         for buffer in frees.get(step, ()):
             if buffer in alive:
                 alive.discard(buffer)

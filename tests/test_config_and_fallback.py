@@ -141,9 +141,9 @@ def _spy_on_inductor(monkeypatch) -> list[dict]:
     patches = []
     real_compile_fx = compat.compile_fx
 
-    def compile_fx(gm, example_inputs, config_patches):
+    def compile_fx(gm, example_inputs, config_patches, **kwargs):
         patches.append(config_patches)
-        return real_compile_fx(gm, example_inputs, config_patches=config_patches)
+        return real_compile_fx(gm, example_inputs, config_patches=config_patches, **kwargs)
 
     monkeypatch.setattr(compat, "compile_fx", compile_fx)
     return patches

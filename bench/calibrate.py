@@ -1,0 +1,167 @@
+"""Calibrate the peak model on one model and budget: where is the peak, and why.
+
+    python -m bench.calibrate llama8 --budget 0.0
+    python -m bench.calibrate gpt --budget 0.5 --code   # and print Inductor's code
+
+Compiles the model with ckpt, runs one step and prints, per phase (forward,
+backward), the predicted peak next to the measured one, the op running when
+the measured peak is reached and the sizes of the buffers alive then (CPU
+profiler memory events: +bytes on allocation, -bytes on free, a size
+multiset). This is DESIGN.md's calibration method in one command: a missing
+term in the model shows up as a buffer size nobody predicted.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import collections
+import contextlib
+import dataclasses
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from bench.harness import fresh_inductor_cache, prepare, predicted_step_peak
+from bench.measure import quiet_native_stderr
+from bench.modes import parse_mode
+from bench.peak_model import cases
+from partitioners import peak
+
+MiB = 2**20
+
+
+@dataclasses.dataclass
+class PhasePeak:
+    """One phase's measured peak above what was live before it."""
+
+    peak_bytes: int
+    end_bytes: int  # live at the end of the phase, above the start
+    op_at_peak: str
+    live_at_peak: collections.Counter  # size in bytes -> how many buffers
+
+
+def measure_phase(fn) -> tuple[object, PhasePeak]:
+    """Run ``fn`` under the profiler; return its result and its PhasePeak."""
+    with quiet_native_stderr(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = fn()
+    memory, ops = [], []
+    for event in prof.profiler.kineto_results.events():
+        if event.device_type() != torch.autograd.DeviceType.CPU:
+            continue
+        if event.name() == "[memory]":
+            memory.append((event.start_ns(), event.nbytes()))
+        elif event.duration_ns() > 0:
+            ops.append((event.start_ns(), event.start_ns() + event.duration_ns(), event.name()))
+    live = peak = 0
+    sizes: collections.Counter = collections.Counter()
+    best_sizes, peak_time = collections.Counter(), None
+    for time, nbytes in sorted(memory):
+        live += nbytes
+        sizes[abs(nbytes)] += 1 if nbytes > 0 else -1
+        if live > peak:
+            peak, peak_time, best_sizes = live, time, +sizes
+    return out, PhasePeak(peak, live, _innermost(ops, peak_time), best_sizes)
+
+
+def _innermost(ops, time) -> str:
+    """The shortest op whose time range holds ``time``."""
+    holding = [op for op in ops if time is not None and op[0] <= time <= op[1]]
+    return min(holding, key=lambda op: op[1] - op[0])[2] if holding else "-"
+
+
+@contextlib.contextmanager
+def capture_partitions():
+    """Every Partition ckpt builds meanwhile (its GraphFacts and Plan)."""
+    from partitioners import partition as module
+
+    captured, real = [], module.partition
+
+    def partition(*args, **kwargs):
+        captured.append(real(*args, **kwargs))
+        return captured[-1]
+
+    module.partition = partition
+    try:
+        yield captured
+    finally:
+        module.partition = real
+
+
+def predicted_backward(part, top: int = 12) -> None:
+    """The backward walk of the peak model: the node at its peak and the
+    largest buffers it holds alive then."""
+    facts = part.facts
+    by_name = {node.name: node for node in facts.nodes}
+    saved = {by_name[name] for name in part.plan.saved}
+    held = facts.saved_storages(saved)
+    order = peak.backward_schedule(facts, saved)
+    tangents = {n for n in order if n.op == "placeholder" and n not in facts.inputs}
+    gradients = {peak.owner(n, facts) for n in facts.backward_outputs}
+    trace: list = []
+    peak.walk(facts, order, kept=gradients, start=held | tangents, trace=trace)
+    node, now, alive = max(trace, key=lambda step: step[1])
+    print(f"  predicted backward peak {now / MiB:.2f} MiB at {node.name} ({node.target}); largest alive:")
+    for buffer in sorted(alive, key=lambda b: -facts.nodes[b].nbytes)[:top]:
+        role = "saved" if buffer in held else "gradient" if buffer in gradients else "tangent" if buffer in tangents else ""
+        print(f"    {facts.nodes[buffer].nbytes / MiB:8.3f} MiB  {buffer.name} {role}")
+
+
+def calibrate(case, budget: str | None, show_code: bool = False, inductor: dict | None = None) -> None:
+    mode = parse_mode("ckpt" if budget is None else f"ckpt+budget={budget}")
+    torch.manual_seed(0)
+    base = case.build()
+    logs = {"output_code": True} if show_code else {}
+    with fresh_inductor_cache(), _logs(**logs), torch._inductor.config.patch(inductor or {}), \
+            capture_partitions() as parts:
+        prep = prepare(case, base, mode, case.batch, "cpu")
+        torch.manual_seed(0)
+        prep.step()  # compiles
+    plans = prep.runner.plans
+    prep.model.zero_grad(set_to_none=True)
+    with prep.runner.context():
+        loss, forward = measure_phase(lambda: prep.runner.fn(*prep.args))
+        _, backward = measure_phase(loss.backward)
+    del loss
+    print(f"{case.name} {mode}: {len(plans)} graph(s)")
+    for i, plan in enumerate(plans):
+        e = plan.peak_estimate
+        print(f"  graph {i}: predicted forward {e.forward_bytes / MiB:.2f} MiB, held {e.held_bytes / MiB:.2f}, "
+              f"backward {e.backward_bytes / MiB:.2f} (saved by plan {plan.saved_activation_bytes / MiB:.2f})")
+    print(f"  predicted step peak {predicted_step_peak(plans) / MiB:.2f} MiB")
+    print(f"  measured forward {forward.peak_bytes / MiB:.2f} MiB, live after forward {forward.end_bytes / MiB:.2f}, "
+          f"backward {(forward.end_bytes + backward.peak_bytes) / MiB:.2f} (from the step's start)")
+    for part in parts:
+        predicted_backward(part)
+    for name, phase in (("forward", forward), ("backward", backward)):
+        print(f"  {name} peak reached in {phase.op_at_peak}; buffers alive then (phase's own):")
+        for size, count in sorted(phase.live_at_peak.items(), key=lambda kv: -kv[0] * kv[1])[:12]:
+            print(f"    {count:3d} x {size / MiB:8.3f} MiB")
+
+
+@contextlib.contextmanager
+def _logs(**kinds):
+    if not kinds:
+        yield
+        return
+    torch._logging.set_logs(**kinds)
+    try:
+        yield
+    finally:
+        torch._logging.set_logs()
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model")
+    parser.add_argument("--budget", default=None, help="a CKPT_MEMORY_BUDGET value; none by default")
+    parser.add_argument("--code", action="store_true", help="print Inductor's generated code")
+    parser.add_argument("--inductor", nargs="*", default=[], metavar="NAME=VALUE",
+                        help="torch._inductor.config settings for the compile, e.g. reorder_for_peak_memory=False")
+    args = parser.parse_args(argv)
+    inductor = {name: ast.literal_eval(value) for name, value in (s.split("=", 1) for s in args.inductor)}
+    for case in cases([args.model]):
+        calibrate(case, args.budget, args.code, inductor)
+
+
+if __name__ == "__main__":
+    main()
