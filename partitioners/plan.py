@@ -6,8 +6,7 @@ from typing import TYPE_CHECKING
 
 import torch.fx as fx
 
-from passes.canonical import op_label
-
+from .canonical import op_label
 from .classify import GraphFacts, NodeFacts, user_wants_recompute
 from .ops import Recompute
 from .peak import PeakEstimate

@@ -15,10 +15,9 @@ from typing import TYPE_CHECKING
 import torch
 import torch.fx as fx
 
+from partitioners.canonical import canonical_names, op_label, shape_of, structure_digest
 from partitioners.ops import OpCategory
 from partitioners.plan import RECOMPUTED, SAVED, Plan, activation_bytes
-
-from .canonical import canonical_names, op_label, shape_of, structure_digest
 
 if TYPE_CHECKING:
     from partitioners.partition import Partition
