@@ -16,8 +16,9 @@ import torch
 import torch.fx as fx
 
 from partitioners.canonical import canonical_names, op_label, shape_of, structure_digest
+from partitioners.classify import activation_bytes
 from partitioners.ops import OpCategory
-from partitioners.plan import RECOMPUTED, SAVED, Plan, activation_bytes
+from partitioners.plan import RECOMPUTED, SAVED, Plan
 
 if TYPE_CHECKING:
     from partitioners.partition import Partition
