@@ -1,4 +1,9 @@
-"""CkptPartitioner: joint graph -> Plan -> (forward, backward) GraphModules."""
+"""CkptPartitioner: joint graph -> Plan -> (forward, backward) GraphModules.
+
+The path: passes/joint.py cleans the joint graph, classify -> solve_with_budget
+-> build_plan decide, torch's extraction builds the two graphs from the saved
+set, and passes/partitioned.py orders them.
+"""
 from __future__ import annotations
 
 import dataclasses
@@ -8,6 +13,10 @@ import warnings
 from collections.abc import Callable
 
 import torch.fx as fx
+
+from passes import joint as joint_passes
+from passes import partitioned as partitioned_passes
+from passes import run_passes
 
 from . import _torch_compat as compat
 from .classify import GraphFacts, classify
@@ -42,7 +51,7 @@ def plan_partition(
     static_lifetime_input_indices: list[int] | None = None,
     config: Config = Config(),
 ) -> Plan:
-    """Decide what to save; the joint graph is cleaned (DCE, CSE) in place."""
+    """Decide what to save; the joint graph is cleaned (passes/joint.py) in place."""
     facts, solution = _decide(joint_gm, num_fwd_outputs, static_lifetime_input_indices, config)
     return _plan(facts, list(solution.saved), solution, config)
 
@@ -72,12 +81,13 @@ def partition(
         num_fwd_outputs=num_fwd_outputs,
         static_lifetime_input_nodes=facts.static_inputs,
     )
+    fwd = run_passes(partitioned_passes.FORWARD, fwd)
+    bwd = run_passes(partitioned_passes.BACKWARD, bwd)
     return Partition(fwd, bwd, _plan(facts, saved, solution, config), facts)
 
 
 def _decide(joint_gm, num_fwd_outputs, static_lifetime_input_indices, config: Config):
-    joint_gm.graph.eliminate_dead_code()
-    compat.cse(joint_gm)
+    run_passes(joint_passes.BEFORE_DECIDING, joint_gm)  # in place: joint_gm is the cleaned graph
     facts = classify(
         joint_gm,
         num_fwd_outputs=num_fwd_outputs,
