@@ -65,8 +65,9 @@ class CkptBackend:
             # Raised here, a setting error would reach the user as the second
             # line of Dynamo's BackendCompilerFailed; this class passes through.
             raise CompileTimeConfigError(str(error), inspect.currentframe()) from None
+        partitioner = self.make_partitioner(config)
         return compat.compile_fx(
-            gm, example_inputs, config_patches={**patches, PARTITIONER_OPTION: self.make_partitioner(config)}
+            gm, example_inputs, config_patches={**patches, PARTITIONER_OPTION: partitioner}
         )
 
     def make_partitioner(self, config: Config | None = None) -> CkptPartitioner:

@@ -32,9 +32,9 @@ __all__ = [
     "OpOverload",
     "ShortenTraceback",
     "compile_fx",
+    "cse",
     "default_store",
     "extract_forward_backward",
-    "fx_graph_cse",
     "get_hash_for_files",
     "hint_int",
     "inductor_config_patches",
@@ -95,6 +95,12 @@ def hint_int(value: int | torch.SymInt) -> int:
     """A concrete int for a possibly symbolic size (the traced example's value)."""
     # 4096 is torch's own fallback for unbacked sizes (partitioners._size_of).
     return int(optimization_hint(value, fallback=4096))
+
+
+def cse(gm: fx.GraphModule) -> None:
+    """Common-subexpression elimination on a joint graph, in place."""
+    gm.graph = fx_graph_cse(gm.graph)
+    gm.recompile()
 
 
 def extract_forward_backward(

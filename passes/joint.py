@@ -23,8 +23,7 @@ def eliminate_common_subexpressions(gm: fx.GraphModule) -> fx.GraphModule:
     """Merges nodes that apply the same op to the same inputs into one, so a
     value is saved or recomputed once (torch's ``fx_graph_cse``, which leaves
     random ops, ``empty`` and values aliasing an output alone)."""
-    gm.graph = compat.fx_graph_cse(gm.graph)
-    gm.recompile()
+    compat.cse(gm)
     return gm
 
 
