@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import difflib
+import functools
 import inspect
 from collections.abc import Mapping
 
@@ -9,8 +10,9 @@ import torch
 
 from partitioners import _torch_compat as compat
 from partitioners.config import Config, ConfigError, as_config
-from partitioners.partition import CkptPartitioner
+from partitioners.partition import CkptPartitioner, Outcome, warn_once
 from partitioners.plan import Plan
+from reports.report import build_report, write_report
 
 PARTITIONER_OPTION = "custom_partitioner_fn"
 """The Inductor option through which ckpt plugs in; ckpt sets it itself."""
@@ -63,13 +65,46 @@ class CkptBackend:
             # Raised here, a setting error would reach the user as the second
             # line of Dynamo's BackendCompilerFailed; this class passes through.
             raise CompileTimeConfigError(str(error), inspect.currentframe()) from None
-        partitioner = CkptPartitioner(config, on_plan=self.plans.append, on_report=self.reports.append)
+        partitioner = self.make_partitioner(config)
         return compat.compile_fx_near_fusion_in_backward(
             gm, example_inputs, config_patches={**patches, PARTITIONER_OPTION: partitioner}
         )
 
+    def make_partitioner(self, config: Config | None = None) -> CkptPartitioner:
+        """The partitioner one compile hands Inductor: it records each graph's
+        Plan here and, with ``report_dir`` set, asks for PyTorch's decisions
+        too and writes the graph's report."""
+        config = self.config if config is None else config
+        return CkptPartitioner(
+            config,
+            on_outcome=functools.partial(self._record, config.report_dir),
+            compare_with_pytorch=config.report_dir is not None,
+        )
+
+    def _record(self, report_dir: str | None, outcome: Outcome) -> None:
+        if report_dir is not None:
+            report = write_graph_report(outcome, report_dir)
+            if report is not None:
+                self.reports.append(report)
+        self.plans.append(outcome.plan)
+
     def __repr__(self) -> str:
         return f"CkptBackend({self._config!r})"
+
+
+def write_graph_report(outcome: Outcome, folder: str) -> dict | None:
+    """Write the report of one partitioned graph into ``folder`` and return it;
+    a failure only warns (None): a report never costs a user their run."""
+    problem = outcome.pytorch_error
+    if problem is None:
+        try:
+            report = build_report(outcome)
+            write_report(report, folder)
+            return report
+        except Exception as error:
+            problem = f"{type(error).__name__}: {error}"
+    warn_once(f"ckpt could not write its report ({problem})")
+    return None
 
 
 def check_peak_auto(config: Config, example_inputs) -> None:

@@ -52,6 +52,9 @@ __all__ = [
     "module_stack",
     "must_be_in_backward",
     "must_be_in_forward",
+    "raise_getitems",
+    "reorder_to_autograd_engine",
+    "thread_graphsafe_rng_from_hops",
     "torch_default_partition",
     "flop_formula",
 ]
@@ -112,15 +115,13 @@ def extract_forward_backward(
     num_fwd_outputs: int,
     static_lifetime_input_nodes: set[fx.Node],
 ) -> tuple[fx.GraphModule, fx.GraphModule]:
-    """Build the forward and backward modules for a chosen saved set.
-
-    Uses torch's extraction (which keeps AOTAutograd's output conventions) and
-    then reorders backward to the autograd engine's order, which places every
-    recomputed node just before its first use.
-    """
+    """Build the forward and backward modules for a chosen saved set, with
+    torch's extraction (``_extract_fwd_bwd_modules``, which keeps AOTAutograd's
+    output conventions). Nodes keep their joint-graph order: the passes in
+    passes/partitioned.py reorder them."""
     from torch.utils._ordered_set import OrderedSet
 
-    fwd, bwd = _torch_partitioners._extract_fwd_bwd_modules(
+    return _torch_partitioners._extract_fwd_bwd_modules(
         joint_gm,
         saved_values,
         saved_sym_nodes=saved_sym_nodes,
@@ -128,12 +129,12 @@ def extract_forward_backward(
         num_fwd_outputs=num_fwd_outputs,
         static_lifetime_input_nodes=OrderedSet(static_lifetime_input_nodes),
     )
-    bwd = _torch_partitioners.reordering_to_mimic_autograd_engine(bwd)
-    fwd = raise_getitems(fwd)
-    bwd = raise_getitems(bwd)
-    fwd = _torch_partitioners.thread_graphsafe_rng_from_hops(fwd, is_backward=False)
-    bwd = _torch_partitioners.thread_graphsafe_rng_from_hops(bwd, is_backward=True)
-    return fwd, bwd
+
+
+# Graph rewrites torch's partitioner applies to the graphs it extracts;
+# passes/partitioned.py applies them to ckpt's.
+reorder_to_autograd_engine = _torch_partitioners.reordering_to_mimic_autograd_engine
+thread_graphsafe_rng_from_hops = _torch_partitioners.thread_graphsafe_rng_from_hops
 
 
 def default_store():

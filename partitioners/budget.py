@@ -34,13 +34,12 @@ import warnings
 import torch
 import torch.fx as fx
 
-from .classify import GraphFacts
+from .classify import GraphFacts, activation_bytes, recomputed_nodes
 from .config import ConfigError, MemoryBudget
 from .cost import DeviceProfile, estimate_runtime_s
 from .peak import PeakEstimate, estimate_step_peak
 from .mincut import build_flow_graph, byte_scale, solve
 from .ops import OpCategory
-from .plan import activation_bytes, recomputed_nodes
 
 # Heavy ops a budget may recompute. UNKNOWN ops stay saved: nothing says
 # replaying them is safe.

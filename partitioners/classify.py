@@ -1,5 +1,6 @@
 """Classify a joint graph: which nodes forward needs, which backward needs,
-and each node's op category, bytes and user checkpoint tag.
+and each node's op category, bytes and user checkpoint tag; and the facts a
+saved set implies (the bytes it keeps, the nodes backward then recomputes).
 
 Facts live in a side mapping (``GraphFacts.nodes``), never on ``fx.Node``.
 """
@@ -62,6 +63,28 @@ class GraphFacts:
     def saved_storages(self, saved) -> set[fx.Node]:
         """The storages saving ``saved`` keeps alive beyond what the caller holds."""
         return {self.nodes[node].storage_root for node in saved} - self.free_inputs
+
+
+def activation_bytes(facts: GraphFacts, saved) -> int:
+    """Bytes that saving ``saved`` keeps alive beyond the graph inputs, each storage once."""
+    return sum(facts.nodes[root].nbytes for root in facts.saved_storages(saved))
+
+
+def recomputed_nodes(facts: GraphFacts, saved: set[fx.Node]) -> set[fx.Node]:
+    """Forward nodes backward needs that are not saved: backward re-runs them."""
+    needed: set[fx.Node] = set()
+    stack = [
+        arg
+        for node in list(facts.backward) + list(facts.backward_outputs)
+        for arg in node.all_input_nodes
+    ]
+    while stack:
+        node = stack.pop()
+        if node in needed or node in saved or node in facts.backward:
+            continue
+        needed.add(node)
+        stack.extend(node.all_input_nodes)
+    return {n for n in needed if n in facts.forward}
 
 
 def classify(

@@ -1,4 +1,9 @@
-"""CkptPartitioner: joint graph -> Plan -> (forward, backward) GraphModules."""
+"""CkptPartitioner: joint graph -> Plan -> (forward, backward) GraphModules.
+
+The path: passes/joint.py cleans the joint graph, classify -> solve_with_budget
+-> build_plan decide, torch's extraction builds the two graphs from the saved
+set, and passes/partitioned.py orders them.
+"""
 from __future__ import annotations
 
 import dataclasses
@@ -9,9 +14,11 @@ from collections.abc import Callable
 
 import torch.fx as fx
 
-from . import _torch_compat as compat
-from passes.report import build_report, pytorch_decisions, write_report
+from passes import joint as joint_passes
+from passes import partitioned as partitioned_passes
+from passes import run_passes
 
+from . import _torch_compat as compat
 from .classify import GraphFacts, classify
 from .config import Config, ConfigError
 from .budget import resolve_peak_target, solve_with_budget
@@ -44,7 +51,7 @@ def plan_partition(
     static_lifetime_input_indices: list[int] | None = None,
     config: Config = Config(),
 ) -> Plan:
-    """Decide what to save; the joint graph is cleaned (DCE, CSE) in place."""
+    """Decide what to save; the joint graph is cleaned (passes/joint.py) in place."""
     facts, solution = _decide(joint_gm, num_fwd_outputs, static_lifetime_input_indices, config)
     return _plan(facts, list(solution.saved), solution, config)
 
@@ -74,12 +81,13 @@ def partition(
         num_fwd_outputs=num_fwd_outputs,
         static_lifetime_input_nodes=facts.static_inputs,
     )
+    fwd = run_passes(partitioned_passes.FORWARD, fwd)
+    bwd = run_passes(partitioned_passes.BACKWARD, bwd)
     return Partition(fwd, bwd, _plan(facts, saved, solution, config), facts)
 
 
 def _decide(joint_gm, num_fwd_outputs, static_lifetime_input_indices, config: Config):
-    joint_gm.graph.eliminate_dead_code()
-    compat.cse(joint_gm)
+    run_passes(joint_passes.BEFORE_DECIDING, joint_gm)  # in place: joint_gm is the cleaned graph
     facts = classify(
         joint_gm,
         num_fwd_outputs=num_fwd_outputs,
@@ -97,24 +105,61 @@ def _plan(facts, saved, solution, config: Config) -> Plan:
     return dataclasses.replace(plan, budget=str(config.memory_budget))
 
 
+@dataclasses.dataclass(frozen=True)
+class PyTorchDecisions:
+    """What PyTorch's partitioner decided on the same joint graph."""
+
+    saved: frozenset[str]
+    """Node names PyTorch's partitioner saves for backward."""
+    in_backward: frozenset[str]
+    """Node names its backward graph computes."""
+
+
+def pytorch_decisions(fwd: fx.GraphModule, bwd: fx.GraphModule, *, num_fwd_outputs: int) -> PyTorchDecisions:
+    """Read PyTorch's choices off the graphs its partitioner produced (nodes
+    keep their joint-graph names)."""
+    (output,) = fwd.graph.find_nodes(op="output")
+    saved = {n.name for n in output.args[0][num_fwd_outputs:] if isinstance(n, fx.Node)}
+    in_backward = {n.name for n in bwd.graph.nodes if n.op == "call_function"}
+    return PyTorchDecisions(frozenset(saved), frozenset(in_backward))
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    """What CkptPartitioner decided for one joint graph (handed to ``on_outcome``)."""
+
+    plan: Plan
+    """The Plan Inductor compiles; ``plan.fallback`` says why when PyTorch's
+    partitioner was used instead."""
+    partition: Partition | None
+    """ckpt's graphs, Plan and facts; None when it fell back."""
+    pytorch: PyTorchDecisions | None = None
+    """PyTorch's decisions on the same graph, when asked for
+    (``compare_with_pytorch``) and ckpt did not fall back."""
+    pytorch_error: str | None = None
+    """Why PyTorch's decisions could not be read, when they were asked for."""
+
+
 class CkptPartitioner(compat.CustomPartitionerFn):
     """The partitioner Inductor calls (``custom_partitioner_fn``).
 
     Never costs a user their run: if planning fails, it warns once with the
-    reason and uses PyTorch's partitioner (unless ``config.strict``). With
-    ``config.report_dir`` set, it also writes a report per graph (and hands
-    it to ``on_report``).
+    reason and uses PyTorch's partitioner (unless ``config.strict``). It hands
+    what it decided for each graph to ``on_outcome``; with
+    ``compare_with_pytorch``, that includes PyTorch's decisions on the same
+    graph (what a report compares with).
     """
 
     def __init__(
         self,
         config: Config,
-        on_plan: Callable[[Plan], None] | None = None,
-        on_report: Callable[[dict], None] | None = None,
+        on_outcome: Callable[[Outcome], None] | None = None,
+        *,
+        compare_with_pytorch: bool = False,
     ):
         self.config = config
-        self.on_plan = on_plan
-        self.on_report = on_report
+        self.on_outcome = on_outcome
+        self.compare_with_pytorch = compare_with_pytorch
 
     def __call__(self, joint_gm: fx.GraphModule, joint_inputs, **kwargs):
         result = None
@@ -132,7 +177,7 @@ class CkptPartitioner(compat.CustomPartitionerFn):
             if self.config.strict:
                 raise
             reason = f"{type(error).__name__}: {error}"
-            _warn_once(
+            warn_once(
                 f"ckpt could not partition this graph ({reason}); "
                 "using PyTorch's partitioner for it instead. "
                 "Set CKPT_STRICT=1 to raise instead."
@@ -145,36 +190,33 @@ class CkptPartitioner(compat.CustomPartitionerFn):
         else:
             fingerprint = check_same_plan_on_all_ranks(joint_gm.graph, plan)
             plan = dataclasses.replace(plan, fingerprint=fingerprint)
-        if self.config.report_dir is not None:
-            self._report(result, plan, joint_gm, joint_inputs, kwargs)
-        if self.on_plan is not None:
-            self.on_plan(plan)
+            result = dataclasses.replace(result, plan=plan)
+        outcome = Outcome(plan, result)
+        if self.compare_with_pytorch and result is not None:
+            outcome = _with_pytorch_decisions(outcome, joint_gm, joint_inputs, kwargs)
+        if self.on_outcome is not None:
+            self.on_outcome(outcome)
         return fwd, bwd
-
-    def _report(self, result, plan, joint_gm, joint_inputs, kwargs) -> None:
-        """Write this graph's report; a failure here only warns."""
-        try:
-            pytorch = None
-            if result is not None:
-                # After ckpt's graphs are built, PyTorch's partitioner may
-                # rewrite the joint graph: it is only read from here on.
-                pytorch = pytorch_decisions(
-                    *compat.torch_default_partition(joint_gm, joint_inputs, **kwargs),
-                    num_fwd_outputs=kwargs["num_fwd_outputs"],
-                )
-            report = build_report(result, plan, pytorch)
-            write_report(report, self.config.report_dir)
-            if self.on_report is not None:
-                self.on_report(report)
-        except Exception as error:
-            _warn_once(f"ckpt could not write its report ({type(error).__name__}: {error})")
 
     def uuid(self) -> str | None:
         # A graph served from Inductor's cache is never partitioned, so it
-        # would get no report: with reports on, skip the cache.
-        if self.config.report_dir is not None:
+        # could not be compared with PyTorch's: when asked to, skip the cache.
+        if self.compare_with_pytorch:
             return None
         return _uuid(self.config)
+
+
+def _with_pytorch_decisions(outcome: Outcome, joint_gm, joint_inputs, kwargs) -> Outcome:
+    """``outcome`` with PyTorch's decisions on the same joint graph; a failure
+    to get them is recorded, not raised (they only inform)."""
+    try:
+        # ckpt's graphs are built, and PyTorch's partitioner may rewrite the
+        # joint graph: it is only read from here on.
+        fwd, bwd = compat.torch_default_partition(joint_gm, joint_inputs, **kwargs)
+        pytorch = pytorch_decisions(fwd, bwd, num_fwd_outputs=kwargs["num_fwd_outputs"])
+    except Exception as error:
+        return dataclasses.replace(outcome, pytorch_error=f"{type(error).__name__}: {error}")
+    return dataclasses.replace(outcome, pytorch=pytorch)
 
 
 @functools.lru_cache(maxsize=None)
@@ -187,7 +229,8 @@ def _uuid(config: Config) -> str:
     return compat.get_hash_for_files(tuple(files), extra=repr(config)).hex()
 
 
-def _warn_once(message: str) -> None:
+def warn_once(message: str) -> None:
+    """Warn with ``message`` the first time only (a model compiles many graphs)."""
     if message not in _warned:
         _warned.add(message)
         warnings.warn(message, stacklevel=3)

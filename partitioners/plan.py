@@ -2,18 +2,14 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
 
 import torch.fx as fx
 
-from passes.canonical import op_label
-
-from .classify import GraphFacts, NodeFacts, user_wants_recompute
+from .canonical import op_label
+from .budget import BudgetSolution
+from .classify import GraphFacts, NodeFacts, activation_bytes, recomputed_nodes, user_wants_recompute
 from .ops import Recompute
 from .peak import PeakEstimate
-
-if TYPE_CHECKING:
-    from .budget import BudgetSolution
 
 SAVED = "saved"
 RECOMPUTED = "recomputed"
@@ -124,28 +120,6 @@ def build_plan(facts: GraphFacts, saved: list[fx.Node], solution: BudgetSolution
         recompute_time_s=solution.recompute_time_s,
         solve_time_s=solution.solve_time_s,
     )
-
-
-def activation_bytes(facts: GraphFacts, saved) -> int:
-    """Bytes that saving ``saved`` keeps alive beyond the graph inputs, each storage once."""
-    return sum(facts.nodes[root].nbytes for root in facts.saved_storages(saved))
-
-
-def recomputed_nodes(facts: GraphFacts, saved: set[fx.Node]) -> set[fx.Node]:
-    """Forward nodes backward needs that are not saved: backward re-runs them."""
-    needed: set[fx.Node] = set()
-    stack = [
-        arg
-        for node in list(facts.backward) + list(facts.backward_outputs)
-        for arg in node.all_input_nodes
-    ]
-    while stack:
-        node = stack.pop()
-        if node in needed or node in saved or node in facts.backward:
-            continue
-        needed.add(node)
-        stack.extend(node.all_input_nodes)
-    return {n for n in needed if n in facts.forward}
 
 
 def _save_reason(node: fx.Node, node_facts: NodeFacts, facts: GraphFacts) -> str:

@@ -19,9 +19,8 @@ import warnings
 
 import torch.fx as fx
 
-from passes.canonical import canonical_names, structure_digest
-
 from . import _torch_compat as compat
+from .canonical import canonical_names, structure_digest
 from .ops import COLLECTIVE_NAMESPACES
 from .plan import Plan
 

@@ -8,14 +8,16 @@ import pytest
 import torch
 
 import partitioners.ops as ops
+import partitioners.partition as partition_module
 from bench.measure import count_saved_bytes
 from bench.models import GPT, MLP, ConvNet, GPTConfig, gpt_batch
 from ckpt import Config, make_backend
 from ckpt.__main__ import main as ckpt_cli
 from ckpt.pytest_plugin import compare_with_golden, render_reports, training_loss
+from partitioners import _torch_compat as compat
 from partitioners.partition import CkptPartitioner
-from passes import graph_svg
-from passes.report import render_markdown, write_report
+from reports import graph_svg
+from reports.report import render_markdown, write_report
 
 GPT_DROPOUT = GPTConfig(depth=2, width=32, heads=2, seq=16, vocab=64, dropout=0.1)
 
@@ -140,8 +142,26 @@ def test_report_setting_from_env_and_cache_key():
     assert Config.from_env({"CKPT_REPORT": "/tmp/r"}).report_dir == "/tmp/r"
     assert Config.from_env({"CKPT_REPORT": ""}).report_dir is None
     # Reports need the partitioner to run, so a reporting compile skips the cache.
-    assert CkptPartitioner(Config(report_dir="/tmp/r")).uuid() is None
-    assert CkptPartitioner(Config()).uuid() is not None
+    assert make_backend(report_dir="/tmp/r").make_partitioner().uuid() is None
+    assert make_backend().make_partitioner().uuid() is not None
+    assert CkptPartitioner(Config(), compare_with_pytorch=True).uuid() is None
+
+
+def _broken_pytorch_partitioner(*args, **kwargs):
+    raise RuntimeError("injected failure")
+
+
+def test_a_report_that_cannot_be_made_only_warns(monkeypatch, tmp_path):
+    # PyTorch's decisions, which the report compares with, cannot be read:
+    # ckpt's plan is still used and recorded, and no report is written.
+    monkeypatch.setattr(compat, "torch_default_partition", _broken_pytorch_partitioner)
+    partition_module._warned.clear()
+    backend = make_backend(strict=True, report_dir=str(tmp_path))
+    with pytest.warns(UserWarning, match=r"ckpt could not write its report \(RuntimeError: injected failure\)"):
+        torch.compile(MLP(depth=1, width=8), backend=backend)(torch.randn(4, 8)).backward()
+    (plan,) = backend.plans
+    assert plan.fallback is None and plan.saved
+    assert backend.reports == [] and list(tmp_path.iterdir()) == []
 
 
 def test_cli_on_a_fallback_report_says_there_are_no_decisions(tmp_path, capsys):

@@ -6,52 +6,32 @@ times, no addresses), so two runs of the same compile write identical files.
 """
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import pathlib
-from typing import TYPE_CHECKING
 
 import torch
-import torch.fx as fx
 
+from partitioners.canonical import canonical_names, op_label, shape_of, structure_digest
+from partitioners.classify import activation_bytes
 from partitioners.ops import OpCategory
-from partitioners.plan import RECOMPUTED, SAVED, Plan, activation_bytes
-
-from .canonical import canonical_names, op_label, shape_of, structure_digest
-
-if TYPE_CHECKING:
-    from partitioners.partition import Partition
+from partitioners.partition import Outcome
+from partitioners.plan import RECOMPUTED, SAVED
 
 MiB = 2**20
 LARGEST_TEMPORARIES = 5
 NOT_KEPT = "-"
 
 
-@dataclasses.dataclass(frozen=True)
-class PyTorchDecisions:
-    saved: frozenset[str]
-    """Node names PyTorch's partitioner saves for backward."""
-    in_backward: frozenset[str]
-    """Node names its backward graph computes."""
-
-
-def pytorch_decisions(fwd: fx.GraphModule, bwd: fx.GraphModule, *, num_fwd_outputs: int) -> PyTorchDecisions:
-    """Read PyTorch's choices off the graphs its partitioner produced (nodes
-    keep their joint-graph names)."""
-    (output,) = fwd.graph.find_nodes(op="output")
-    saved = {n.name for n in output.args[0][num_fwd_outputs:] if isinstance(n, fx.Node)}
-    in_backward = {n.name for n in bwd.graph.nodes if n.op == "call_function"}
-    return PyTorchDecisions(frozenset(saved), frozenset(in_backward))
-
-
-def build_report(result: Partition | None, plan: Plan, pytorch: PyTorchDecisions | None) -> dict:
-    """The report of one graph; ``result`` is None when ckpt fell back."""
-    if result is None:
+def build_report(outcome: Outcome) -> dict:
+    """The report of one graph: what ckpt decided, and what PyTorch's
+    partitioner decided (``outcome.pytorch``, needed unless ckpt fell back)."""
+    plan = outcome.plan
+    if outcome.partition is None:
         report = {"fallback": plan.fallback, "values": [], "totals": {}, "ledger": {}, "forward_graph": {}}
         report["graph"] = "fallback-" + hashlib.sha256((plan.fallback or "").encode()).hexdigest()[:12]
         return report
-    facts = result.facts
+    facts, pytorch = outcome.partition.facts, outcome.pytorch
     graph = next(iter(facts.nodes)).graph
     names = canonical_names(graph)
     by_name = {node.name: node for node in facts.nodes}
@@ -224,7 +204,7 @@ def _forward_graph(facts, names, decisions) -> dict:
 _JSON_NAMES = {dict: "object", list: "array", str: "string", int: "number", float: "number", bool: "boolean", type(None): "null"}
 _REPORT_KEYS = ("fallback", "values", "totals", "forward_graph")
 _ROW_FIELDS = {"name": str, "op": str, "bytes": int, "ckpt": str, "pytorch": str}
-_TOTALS_READ = ("ckpt_saved_bytes", "pytorch_saved_bytes")  # what passes/diff.py reads
+_TOTALS_READ = ("ckpt_saved_bytes", "pytorch_saved_bytes")  # what reports/diff.py reads
 _DECISIONS = (SAVED, RECOMPUTED, NOT_KEPT)
 
 

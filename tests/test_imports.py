@@ -1,0 +1,126 @@
+"""Imports run one way (DESIGN.md): bench -> ckpt -> reports -> partitioners
+and passes, and within those two packages each module imports only modules
+before it in ORDER. Read from the source with ``ast``, so an import inside a
+function or under TYPE_CHECKING counts too."""
+import ast
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+LAYERS = {"bench": 3, "ckpt": 2, "reports": 1, "partitioners": 0, "passes": 0}
+"""A package may import its own layer's packages and lower ones, never higher."""
+
+ORDER = [
+    "partitioners",
+    "partitioners._torch_compat",  # every private torch API, for both packages
+    "passes",
+    "passes.joint",
+    "passes.partitioned",
+    "partitioners.ops",
+    "partitioners.cost",
+    "partitioners.config",
+    "partitioners.canonical",
+    "partitioners.classify",
+    "partitioners.mincut",
+    "partitioners.peak",
+    "partitioners.budget",
+    "partitioners.plan",
+    "partitioners.rank_sync",
+    "partitioners.partition",
+]
+"""partitioners/ and passes/, lowest first: passes know nothing of decisions,
+and partition.py, which runs them, comes last."""
+
+TORCH_SEAM = "partitioners._torch_compat"
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {
+    _module_name(path): path
+    for package in LAYERS
+    for path in sorted((ROOT / package).rglob("*.py"))
+}
+
+
+def _imported_names(name: str) -> set[str]:
+    """Every module ``name`` imports, absolute, ``from x import y`` read as
+    ``x.y`` when that is a module of the project."""
+    path = MODULES[name]
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            found.add(base)
+            found.update(f"{base}.{alias.name}" for alias in node.names)
+    return found
+
+
+def _project_imports(name: str) -> set[str]:
+    return {m for m in _imported_names(name) if m in MODULES and m != name}
+
+
+IMPORTS = {name: _project_imports(name) for name in MODULES}
+
+
+def test_every_module_is_found():
+    assert {"partitioners.partition", "passes.joint", "reports.report", "ckpt.backend", "bench.suite"} <= set(MODULES)
+    assert "partitioners.classify" in IMPORTS["partitioners.budget"]  # relative imports resolve
+    assert "passes.joint" in IMPORTS["partitioners.partition"]  # from passes import joint
+
+
+def test_no_package_imports_a_higher_one():
+    layer = {name: LAYERS[name.split(".")[0]] for name in MODULES}
+    upward = sorted(f"{name} imports {m}" for name in MODULES for m in IMPORTS[name] if layer[m] > layer[name])
+    assert not upward, "imports into a higher layer (bench -> ckpt -> reports -> partitioners/passes):\n" + "\n".join(upward)
+
+
+def test_partitioners_and_passes_import_only_modules_before_them():
+    listed = {name for name in MODULES if name.split(".")[0] in ("partitioners", "passes")}
+    assert listed == set(ORDER), f"place {sorted(listed - set(ORDER))} in ORDER (and drop {sorted(set(ORDER) - listed)})"
+    position = {name: i for i, name in enumerate(ORDER)}
+    for name in ORDER:
+        later = sorted(m for m in IMPORTS[name] if position.get(m, -1) >= position[name])
+        assert not later, f"{name} imports {later}, which come after it in ORDER"
+
+
+def test_no_import_cycles():
+    done, path = set(), []
+
+    def visit(name):
+        if name in path:
+            cycle = path[path.index(name):] + [name]
+            pytest.fail("import cycle: " + " -> ".join(cycle))
+        if name in done:
+            return
+        path.append(name)
+        for imported in sorted(IMPORTS[name]):
+            visit(imported)
+        path.pop()
+        done.add(name)
+
+    for name in sorted(MODULES):
+        visit(name)
+
+
+def _is_private_torch(module: str) -> bool:
+    parts = module.split(".")
+    return parts[0] == "torch" and any(part.startswith("_") for part in parts[1:])
+
+
+def test_private_torch_only_through_the_compat_module():
+    # bench/ measures torch itself and may reach into it; the library may not.
+    library = [n for n in MODULES if n.split(".")[0] != "bench" and n != TORCH_SEAM]
+    private = sorted(f"{name} imports {m}" for name in library for m in _imported_names(name) if _is_private_torch(m))
+    assert not private, f"reach private torch APIs through {TORCH_SEAM}:\n" + "\n".join(private)

@@ -1,0 +1,101 @@
+"""Graph rewrites around the partition (passes/), each on a tiny hand-built graph."""
+import operator
+
+import torch
+import torch.fx as fx
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from passes import joint, partitioned, run_passes
+
+aten = torch.ops.aten
+
+
+def _ops(gm: fx.GraphModule) -> list[str]:
+    return [n.name for n in gm.graph.nodes if n.op == "call_function"]
+
+
+def _aten_graph(fn, *args) -> fx.GraphModule:
+    return make_fx(fn)(*args)
+
+
+def _call(graph: fx.Graph, name: str, target, *args, **kwargs) -> fx.Node:
+    return graph.create_node("call_function", target, args, kwargs, name=name)
+
+
+def test_dead_code_goes_and_mutations_stay():
+    def fn(x, buf):
+        x.cos()  # read by nothing
+        buf.add_(1)  # read by nothing, but it mutates an input
+        return x.sin()
+
+    x, buf = torch.randn(4), torch.zeros(4)
+    gm = _aten_graph(fn, x, buf)
+    assert joint.eliminate_dead_code(gm) is gm  # in place
+    assert _ops(gm) == ["add_", "sin"]
+    torch.testing.assert_close(gm(x, torch.zeros(4)), x.sin())
+
+
+def test_common_subexpressions_merge_and_random_draws_do_not():
+    def fn(x):
+        return x.sin() + x.sin() + torch.rand_like(x) + torch.rand_like(x)
+
+    gm = _aten_graph(fn, torch.randn(4))
+    assert joint.eliminate_common_subexpressions(gm) is gm
+    ops = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert ops.count(aten.sin.default) == 1
+    assert ops.count(aten.rand_like.default) == 2
+    assert "sin_1" not in gm.code  # the module's code follows its graph
+
+
+def _backward_with_early_recompute() -> fx.GraphModule:
+    """A backward as extraction leaves it: the recomputed ``sin`` first,
+    although only the last gradient op reads it."""
+    graph = fx.Graph()
+    primal = graph.placeholder("primals_1")
+    tangent = graph.placeholder("tangents_1")
+    recomputed = _call(graph, "sin", aten.sin.default, primal)
+    grad = _call(graph, "mul", aten.mul.Tensor, tangent, 2.0)
+    grad = _call(graph, "mul_1", aten.mul.Tensor, grad, 3.0)
+    grad = _call(graph, "mul_2", aten.mul.Tensor, grad, recomputed)
+    graph.output((grad,))
+    return fx.GraphModule(torch.nn.Module(), graph)
+
+
+def test_recomputed_node_moves_to_its_first_use():
+    bwd = partitioned.reorder_recomputed_to_first_use(_backward_with_early_recompute())
+    assert _ops(bwd) == ["mul", "mul_1", "sin", "mul_2"]
+    x, g = torch.randn(4), torch.randn(4)
+    torch.testing.assert_close(bwd(x, g)[0], g * 6 * x.sin())
+
+
+def test_getitems_move_next_to_their_tuple():
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    var_mean = _call(graph, "var_mean", aten.var_mean.correction, x, correction=0)
+    other = _call(graph, "cos", aten.cos.default, x)
+    var = _call(graph, "getitem", operator.getitem, var_mean, 0)
+    graph.output((_call(graph, "add", aten.add.Tensor, var, other),))
+    gm = partitioned.raise_getitems(fx.GraphModule(torch.nn.Module(), graph))
+    assert _ops(gm) == ["var_mean", "getitem", "cos", "add"]
+
+
+def test_rng_threading_leaves_a_graph_without_subgraphs_alone():
+    bwd = _backward_with_early_recompute()
+    code = bwd.code
+    assert partitioned.thread_backward_rng_state(bwd).code == code
+    assert partitioned.thread_forward_rng_state(bwd).code == code
+
+
+def test_run_passes_applies_them_in_order():
+    seen = []
+
+    def first(gm):
+        seen.append("first")
+        return gm
+
+    def second(gm):
+        seen.append("second")
+        return gm
+
+    gm = _backward_with_early_recompute()
+    assert run_passes((first, second), gm) is gm and seen == ["first", "second"]
