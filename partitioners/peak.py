@@ -43,13 +43,17 @@ from .ops import OpCategory
 
 aten = torch.ops.aten
 
-# Categories Inductor can compute inside a reader's kernel.
-INLINABLE = frozenset({
-    OpCategory.POINTWISE, OpCategory.SEEDED_RANDOM, OpCategory.DATA_MOVEMENT,
-    OpCategory.CONSTANT,
-})
+# Categories Inductor can compute inside a reader's kernel. Seeded random
+# values are computed by a fused kernel too, but always into a buffer of
+# their own (torch/_inductor/lowering.py inductor_random: result.realize()):
+# a float32 buffer of the draws, not the boolean mask a dropout keeps.
+INLINABLE = frozenset({OpCategory.POINTWISE, OpCategory.DATA_MOVEMENT, OpCategory.CONSTANT})
+FUSED_BUFFER = frozenset({OpCategory.SEEDED_RANDOM})
 # Categories Inductor lowers to a reduction kernel with a buffer of its own.
 REDUCTIONS = frozenset({OpCategory.REDUCTION, OpCategory.SHRINKING_REDUCTION})
+
+# What runs inside Inductor's fused kernels (the rest are extern kernels).
+FUSED = INLINABLE | FUSED_BUFFER | REDUCTIONS
 
 # Data movement Inductor lowers to a kernel writing a buffer (a scatter into
 # a fresh buffer, a concatenation), not to an inlinable expression.
@@ -64,8 +68,7 @@ ALWAYS_WRITTEN = frozenset(
 # reading more buffers than this is stored rather than recomputed per reader.
 REALIZE_READS = 4
 # torch/_inductor/ir.py should_realize_on_reuse: ops Inductor will not repeat
-# per reader on CPU (seeded random values too: their generator code is past
-# Inductor's inline size limit, has_large_inner_fn).
+# per reader on CPU.
 COSTLY_ON_CPU = frozenset({"exp", "log", "log10", "log1p", "log2", "sigmoid", "tanh"})
 
 
@@ -225,8 +228,8 @@ def _is_extern(node: fx.Node, facts: GraphFacts, kind: str) -> bool:
     if node.target is operator.getitem:
         category = facts.nodes[node.args[0]].category
     if kind == NONE and node.op != "placeholder" and isinstance(node.meta.get("val"), (tuple, list)):
-        return category not in INLINABLE and category not in REDUCTIONS and category is not OpCategory.VIEW
-    return kind == BUFFER and category not in INLINABLE and category not in REDUCTIONS
+        return category not in FUSED and category is not OpCategory.VIEW
+    return kind == BUFFER and category not in FUSED
 
 
 # How Inductor treats a node's value.
@@ -299,7 +302,6 @@ def materialized(facts: GraphFacts, order: list[fx.Node], kept: set[fx.Node]) ->
         reads = frozenset().union(*(inline_reads.get(a, frozenset({a})) for a in node.all_input_nodes))
         costly[node] = (
             _op_name(node) in COSTLY_ON_CPU
-            or facts.nodes[node].category is OpCategory.SEEDED_RANDOM
             or any(costly.get(a, False) for a in node.all_input_nodes)
         )
         users = _readers(node, in_order, kinds)
