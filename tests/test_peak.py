@@ -3,7 +3,7 @@ and the predicted forward and backward peaks, byte for byte."""
 import torch
 from conftest import aot_partition
 
-from partitioners.peak import backward_schedule, estimate_step_peak, materialized
+from partitioners.peak import backward_schedule, estimate_step_peak, materialized, workspace_bytes
 
 N = 64 * 64 * 4  # bytes of one 64x64 float32 value
 
@@ -74,3 +74,33 @@ def test_recomputed_values_are_scheduled_just_before_their_first_reader():
     for node in order:
         if node in facts.forward:
             assert position[node] < min(position[u] for u in node.users if u in position)
+
+
+def test_seeded_random_draws_get_a_float_buffer_and_the_mask_is_inlined():
+    # Inductor's lowering of inductor_random always realizes the draws
+    # (float32), so the boolean mask computed from them is inlined.
+    def f(x, w, seeds):
+        draws = torch.ops.prims.inductor_random([64, 64], seeds, "rand")
+        dropped = x * (draws > 0.1) * (1 / 0.9)
+        return (dropped.sin() @ w).sum()
+
+    seeds = torch.ops.prims.inductor_seeds(1, torch.device("cpu"))[0]
+    result, _ = aot_partition(f, leaf(64, 64), leaf(64, 64), seeds)
+    facts, saved, buffers = _forward_buffers(result)
+    random = [n.name for n in facts.nodes if n.target is torch.ops.prims.inductor_random.default]
+    assert random and set(random) <= set(buffers)
+    assert not any(name.startswith("gt") for name in buffers)
+
+
+def test_cpu_convolutions_hold_a_weight_sized_buffer_per_weight_layout_they_write():
+    def f(x, w):
+        return torch.nn.functional.conv2d(x, w, padding=1).relu().sum()
+
+    x, w = torch.randn(2, 8, 16, 16, requires_grad=True), leaf(16, 8, 3, 3)
+    result, _ = aot_partition(f, x, w)
+    facts = result.facts
+    weight_bytes = 16 * 8 * 3 * 3 * 4
+    by_target = {n.target.overloadpacket: n for n in facts.nodes if hasattr(n.target, "overloadpacket")}
+    assert workspace_bytes(by_target[torch.ops.aten.convolution], facts) == weight_bytes
+    # the input's gradient (reordered weight) and the weight's gradient
+    assert workspace_bytes(by_target[torch.ops.aten.convolution_backward], facts) == 2 * weight_bytes
