@@ -44,18 +44,6 @@ class Partition:
     facts: GraphFacts
 
 
-def plan_partition(
-    joint_gm: fx.GraphModule,
-    *,
-    num_fwd_outputs: int,
-    static_lifetime_input_indices: list[int] | None = None,
-    config: Config = Config(),
-) -> Plan:
-    """Decide what to save; the joint graph is cleaned (passes/joint.py) in place."""
-    facts, solution = _decide(joint_gm, num_fwd_outputs, static_lifetime_input_indices, config)
-    return _plan(facts, list(solution.saved), solution, config)
-
-
 def partition(
     joint_gm: fx.GraphModule,
     *,
