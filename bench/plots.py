@@ -9,7 +9,16 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
 
 from bench.harness import CaseResult  # noqa: E402
+from bench.ledger import Ledger  # noqa: E402
 from bench.report import MiB, sweep_depth  # noqa: E402
+
+LEDGER_PARTS = (  # bottom to top: what lives before the step, then what the step allocates
+    ("parameters", "parameters_bytes", "tab:gray"),
+    ("optimizer state", "optimizer_state_bytes", "tab:purple"),
+    ("gradients at the peak", "gradients_at_peak", "tab:blue"),
+    ("saved activations at the peak", "saved_at_peak", "tab:orange"),
+    ("temporaries at the peak", "temporaries_at_peak", "tab:red"),
+)
 
 
 def style_axes(ax, xlabel: str, ylabel: str, title: str, legend: bool = False) -> None:
@@ -89,6 +98,32 @@ def largest_batch(case: CaseResult, path: str) -> bool:
     return True
 
 
+def memory_ledger(rows: list[tuple[str, Ledger, int | None]], title: str, path: str) -> bool:
+    """Stacked bars of each mode's memory at its step's peak, from the
+    ``(mode, ledger, predicted peak bytes or None)`` rows; a black tick marks
+    ckpt's predicted peak on the same scale. False (and no file) without rows."""
+    if not rows:
+        return False
+    fig, ax = plt.subplots(figsize=(max(6.4, 1.1 * len(rows) + 2.5), 4.8))
+    positions = list(range(len(rows)))
+    bottoms = [0.0] * len(rows)
+    for label, field, color in LEDGER_PARTS:
+        heights = [(getattr(ledger, field) or 0) / MiB for _, ledger, _ in rows]
+        if any(heights):
+            ax.bar(positions, heights, bottom=bottoms, color=color, label=label, width=0.6)
+            bottoms = [b + h for b, h in zip(bottoms, heights)]
+    predicted = [(x, (ledger.total_at_peak - ledger.peak_bytes + peak) / MiB)
+                 for x, (_, ledger, peak) in zip(positions, rows) if peak is not None]
+    if predicted:
+        ax.scatter(*zip(*predicted), marker="_", s=900, color="black", zorder=3, label="predicted peak (ckpt)")
+    ax.set_xticks(positions, [f"{mode}\n(peak in {ledger.peak_phase})" for mode, ledger, _ in rows],
+                  rotation=20, ha="right", fontsize=8)
+    style_axes(ax, "", "MiB alive at the step's peak", title)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    save(fig, path)
+    return True
+
+
 def write_plots(models: list[CaseResult], sweep: list[CaseResult], out: str) -> list[str]:
     """Every plot into ``out``; the paths written."""
     written = []
@@ -98,6 +133,10 @@ def write_plots(models: list[CaseResult], sweep: list[CaseResult], out: str) -> 
             written.append(path)
         path = os.path.join(out, f"{case.name}_largest_batch.png")
         if largest_batch(case, path):
+            written.append(path)
+        path = os.path.join(out, f"{case.name}_memory_ledger.png")
+        rows = [(r.mode, r.ledger, r.predicted_peak_bytes) for r in case.modes if r.ledger is not None]
+        if memory_ledger(rows, f"{case.name}: memory at the peak of one step (no optimizer)", path):
             written.append(path)
     path = os.path.join(out, "depth_sweep.png")
     if sweep and depth_sweep(sweep, path):
