@@ -124,6 +124,24 @@ def memory_ledger(rows: list[tuple[str, Ledger, int | None]], title: str, path: 
     return True
 
 
+def loss_curves(runs: list, path: str) -> bool:
+    """Training loss per step (left) and validation loss (right) of each
+    training Run, one line per mode. Modes whose losses are the same overlay:
+    each is drawn thinner than the one before, so every line stays visible."""
+    if not runs:
+        return False
+    fig, (train, valid) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for index, run in enumerate(runs):
+        width = max(0.6, 3.0 - 0.6 * index)
+        steps = range(run.start, run.start + len(run.losses))
+        train.plot(steps, run.losses, linewidth=width, alpha=0.8, label=run.mode)
+        valid.plot(*zip(*run.validation), marker="o", markersize=2 + width, linewidth=width, label=run.mode)
+    style_axes(train, "step", "training loss (one batch)", "training loss per step", legend=True)
+    style_axes(valid, "steps trained", "validation loss (dropout off)", "validation loss", legend=True)
+    save(fig, path)
+    return True
+
+
 def write_plots(models: list[CaseResult], sweep: list[CaseResult], out: str) -> list[str]:
     """Every plot into ``out``; the paths written."""
     written = []
