@@ -119,7 +119,8 @@ def memory_ledger(rows: list[tuple[str, Ledger, int | None]], title: str, path: 
     ax.set_xticks(positions, [f"{mode}\n(peak in {ledger.peak_phase})" for mode, ledger, _ in rows],
                   rotation=20, ha="right", fontsize=8)
     style_axes(ax, "", "MiB alive at the step's peak", title)
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    handles, labels = ax.get_legend_handles_labels()  # top of the stack first, as drawn
+    ax.legend(handles[::-1], labels[::-1], fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     save(fig, path)
     return True
 
