@@ -84,27 +84,40 @@ def measure_ledger(model: torch.nn.Module, forward: Callable[[], torch.Tensor],
         if optimizer is not None:
             with record_function(RANGE_PREFIX + "optimizer"):
                 optimizer.step()
-    events = memory_events(prof)
-    ends = _phase_ends(prof)
-    peak, reached = peak_of(events)
-    at_peak = _live(events[:reached])
-    saved_ids = _ids_at(events, ends["forward"], {ptr for device, ptr in saved["storages"] if device.type == "cpu"})
     grads = [p.grad for p in model.parameters() if p.grad is not None]
-    grad_ids = _ids_at(events, None, {g.untyped_storage().data_ptr() for g in grads})
-    saved_at_peak = sum(size for ident, size in at_peak.values() if ident in saved_ids)
-    grads_at_peak = sum(size for ident, size in at_peak.values() if ident in grad_ids)
-    peak_time = events[reached - 1].time_ns if reached else 0
+    peak = _attribute_peak(
+        memory_events(prof), _phase_ends(prof),
+        saved_pointers={ptr for device, ptr in saved["storages"] if device.type == "cpu"},
+        grad_pointers={g.untyped_storage().data_ptr() for g in grads},
+    )
     return Ledger(
         parameters_bytes=storage_bytes(parameters),
         optimizer_state_bytes=optimizer_bytes,
         gradients_bytes=storage_bytes(grads),
         saved_activations_bytes=saved["bytes"],
-        peak_bytes=peak,
-        peak_phase=next((p for p in PHASES if p in ends and peak_time <= ends[p]), PHASES[0]),
-        gradients_at_peak=grads_at_peak,
-        saved_at_peak=saved_at_peak,
-        temporaries_at_peak=peak - grads_at_peak - saved_at_peak,
+        **peak,
     )
+
+
+def _attribute_peak(events: list[MemoryEvent], ends: dict[str, int], saved_pointers: set[int],
+                    grad_pointers: set[int]) -> dict:
+    """The Ledger's peak fields: the peak, its phase, and what is alive then.
+    A saved activation is an allocation alive at a saved storage's address
+    when forward ends; a gradient, one alive at a gradient's at the end."""
+    peak, reached = peak_of(events)
+    at_peak = _live(events[:reached]).values()
+    saved_ids = _ids_at(events, ends["forward"], saved_pointers)
+    grad_ids = _ids_at(events, None, grad_pointers)
+    saved_at_peak = sum(size for ident, size in at_peak if ident in saved_ids)
+    grads_at_peak = sum(size for ident, size in at_peak if ident in grad_ids)
+    peak_time = events[reached - 1].time_ns if reached else 0
+    return {
+        "peak_bytes": peak,
+        "peak_phase": next((p for p in PHASES if p in ends and peak_time <= ends[p]), PHASES[0]),
+        "gradients_at_peak": grads_at_peak,
+        "saved_at_peak": saved_at_peak,
+        "temporaries_at_peak": peak - grads_at_peak - saved_at_peak,
+    }
 
 
 def _phase_ends(prof: profile) -> dict[str, int]:
