@@ -120,7 +120,7 @@ def memory_ledger(rows: list[tuple[str, Ledger, int | None]], title: str, path: 
                   rotation=20, ha="right", fontsize=8)
     style_axes(ax, "", "MiB alive at the step's peak", title)
     handles, labels = ax.get_legend_handles_labels()  # top of the stack first, as drawn
-    ax.legend(handles[::-1], labels[::-1], fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    ax.legend(handles[::-1], labels[::-1], fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), markerscale=0.4)
     save(fig, path)
     return True
 
