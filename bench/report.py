@@ -170,7 +170,7 @@ LEDGER_LEGEND = (
 )
 
 
-def _load_note(meta: dict) -> list[str]:
+def busy_machine_note(meta: dict) -> list[str]:
     """A warning when other processes competed for the CPUs: the suite itself
     keeps at most one CPU per thread busy, so a load average clearly above
     that means contention, and step times (not memory) are then unreliable."""
@@ -190,7 +190,7 @@ def to_markdown(models: list[CaseResult], sweep: list[CaseResult], meta: dict) -
         f"torch {m['torch']}, device {m.get('device_name', m['device'])}; "
         f"preset {meta['settings']['preset']}, {meta['elapsed_s']:.0f} s in all.",
         "",
-        *_load_note(meta),
+        *busy_machine_note(meta),
         LEGEND,
         "",
     ]

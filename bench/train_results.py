@@ -15,7 +15,7 @@ from bench.corpus import Corpus
 from bench.harness import fresh_inductor_cache, warm_up_compiler
 from bench.ledger import Ledger
 from bench.modes import Mode
-from bench.report import ledger_table, machine_info, write_json
+from bench.report import busy_machine_note, ledger_table, machine_info, write_json
 from bench.train import Run, TrainSettings, train
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -81,7 +81,7 @@ def run_all(modes: list[Mode], settings: TrainSettings, corpus: Corpus, args) ->
     status 1 when a ckpt mode's losses are not the reference's, bit for bit."""
     began = time.perf_counter()
     resume_at = args.resume_check if args.resume_check is not None else max(0, settings.steps - RESUME_BEFORE_END)
-    runs, resumed = {}, {}
+    runs, resumed, loads = {}, {}, []
     with fresh_inductor_cache(), tempfile.TemporaryDirectory() as folder:
         warm_up_compiler("cpu")
         checkpoints = {}
@@ -93,11 +93,13 @@ def run_all(modes: list[Mode], settings: TrainSettings, corpus: Corpus, args) ->
             runs[mode] = train(mode, settings, corpus, checkpoint_at=resume_at,
                                checkpoint_path=checkpoints.get(mode), report_dir=reports)
             print(_progress(runs[mode]), flush=True)
+            loads.append(os.getloadavg()[0])
         for mode, path in checkpoints.items():
             print(f"resuming {mode} from step {resume_at} in a new process ...", flush=True)
             resumed[mode] = resume_in_new_process(path)
+            loads.append(os.getloadavg()[0])
     data = results_json(runs, resumed, settings, corpus, time.perf_counter() - began)
-    data["argv"] = args.argv
+    data["argv"], data["max_load_average"] = args.argv, max(loads, default=None)
     os.makedirs(args.out, exist_ok=True)
     data["plots"] = write_plots(runs, args.out)
     write_json(os.path.join(args.out, "results.json"), data)
@@ -212,6 +214,7 @@ def to_markdown(runs: dict, resumed: dict, data: dict) -> str:
         f"Python {m['python']}; {data['elapsed_s']:.0f} s in all "
         f"(`{' '.join(['python -m bench.train', *data['argv']])}`).",
         "",
+        *busy_machine_note(data),
         f"Model: {model['depth']} layers, d={model['width']}, {model['heads']} heads, seq {model['seq']}, "
         f"byte vocabulary ({model['vocab']}), dropout {model['dropout']} (attention and residual). "
         f"Batch {s['batch']}, {s['steps']} steps, AdamW (lr {s['lr']}, {s['warmup']} warm-up steps, cosine "
