@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: install test test-torch2.14 demo bench clean
+.PHONY: install test test-torch2.14 demo bench train clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -45,3 +45,7 @@ bench: install
 
 clean:
 	rm -rf $(VENV) $(VENV_TORCH214) build *.egg-info
+
+# The training run (under 10 minutes on 2 cores): bench/results/train/.
+train: install
+	$(PY) -m bench.train $(TRAIN_ARGS)

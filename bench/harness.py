@@ -4,7 +4,8 @@ Every mode gets its own deep copy of the same initial model, the same inputs,
 and a ``torch._dynamo.reset()`` before it compiles. Per mode, in order:
 
 1. memory: the first step (its wall time is the compile time), one step
-   under saved_tensors_hooks (saved bytes), one under the peak meter;
+   under saved_tensors_hooks (saved bytes), one under the peak meter, and
+   on CPU one under the memory ledger (bench/ledger.py);
 2. speed: steps with the modes interleaved, so machine drift hits all alike
    (the median is reported);
 3. the largest batch whose peak fits under a cap (capsearch.py), searched
@@ -24,6 +25,7 @@ import torch
 
 from bench.capsearch import largest_batch_under_cap
 from bench.cases import Case
+from bench.ledger import Ledger, measure_ledger
 from bench.measure import (
     count_saved_bytes,
     max_abs_diff,
@@ -73,6 +75,8 @@ class ModeResult:
     throughput: float | None = None
     """Units (tokens or samples) per second at the median step time."""
     max_grad_diff: float | None = None
+    ledger: Ledger | None = None
+    """Where the peak goes (CPU only; the bench's step runs no optimizer)."""
     fallback: str | None = None
     cap_batch: int | None = None
     cap_throughput: float | None = None
@@ -103,8 +107,12 @@ class Prepared:
     def step_with(self, args: tuple) -> None:
         """One training step (forward and backward) on ``args``."""
         self.model.zero_grad(set_to_none=True)
+        self.loss(args).backward()
+
+    def loss(self, args: tuple | None = None) -> torch.Tensor:
+        """The forward pass on ``args`` (default: the prepared inputs)."""
         with self.runner.context():
-            self.runner.fn(*args).backward()
+            return self.runner.fn(*(self.args if args is None else args))
 
     def step(self) -> None:
         self.step_with(self.args)
@@ -188,14 +196,8 @@ def measure_memory(prep: Prepared, result: ModeResult, device: str) -> list[torc
     result.partitioner_s = _partitioner_seconds()
     grads = [None if p.grad is None else p.grad.detach().clone() for p in prep.model.parameters()]
     plans = prep.runner.plans
-    runs = step_plans(prep.runner)
-    result.plan_saved_bytes = None if runs is None else _plans_sum(runs, "saved_activation_bytes")
+    result.plan_saved_bytes, result.predicted_peak_bytes = plan_estimates(prep.runner)
     result.solve_s = _plans_sum(plans, "solve_time_s")
-    # Per-block compile runs the rest of the model (embeddings, head, loss)
-    # eagerly, outside any Plan: a peak composed of the blocks' graphs alone
-    # would read as the step's and be too low, so there is no prediction.
-    per_block = prep.runner.blocks is not None
-    result.predicted_peak_bytes = None if per_block else predicted_step_peak(plans)
     result.fallback = next((p.fallback for p in plans if p.fallback), None)
 
     prep.model.zero_grad(set_to_none=True)
@@ -207,7 +209,22 @@ def measure_memory(prep: Prepared, result: ModeResult, device: str) -> list[torc
     # Free the gradients first: the peak counts from parameters and inputs alone.
     prep.model.zero_grad(set_to_none=True)
     result.peak_bytes = peak_bytes(prep.step, device)
+    if device == "cpu":
+        prep.model.zero_grad(set_to_none=True)
+        result.ledger = measure_ledger(prep.model, prep.loss, inputs=prep.args)
     return grads
+
+
+def plan_estimates(runner: Runner) -> tuple[int | None, int | None]:
+    """ckpt's estimates for one step of ``runner``: the bytes its Plans save
+    and the step peak they predict (None where unknown, or not ckpt)."""
+    runs = step_plans(runner)
+    saved = None if runs is None else _plans_sum(runs, "saved_activation_bytes")
+    # Per-block compile runs the rest of the model (embeddings, head, loss)
+    # eagerly, outside any Plan: a peak composed of the blocks' graphs alone
+    # would read as the step's and be too low, so there is no prediction.
+    predicted = None if runner.blocks is not None else predicted_step_peak(runner.plans)
+    return saved, predicted
 
 
 def step_plans(runner: Runner) -> list | None:

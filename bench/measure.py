@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import statistics
 import sys
@@ -24,11 +25,13 @@ def count_saved_bytes(exclude: Iterable[torch.Tensor] = ()):
     """Count bytes autograd saves for backward inside the block, each storage once.
 
     Tensors sharing a storage with ``exclude`` (parameters, inputs) are not
-    counted. Yields a dict whose ``"bytes"`` is filled in as tensors are saved.
+    counted. Yields a dict whose ``"bytes"`` and ``"tensors"`` are filled in
+    as tensors are saved, and whose ``"storages"`` holds each counted
+    storage's (device, address).
     """
     excluded = {_storage_key(t) for t in exclude}
     seen: set[tuple] = set()
-    result = {"bytes": 0, "tensors": 0}
+    result = {"bytes": 0, "tensors": 0, "storages": seen}
 
     def pack(tensor: torch.Tensor):
         key = _storage_key(tensor)
@@ -42,6 +45,40 @@ def count_saved_bytes(exclude: Iterable[torch.Tensor] = ()):
         yield result
 
 
+@dataclasses.dataclass(frozen=True)
+class MemoryEvent:
+    """One allocation (``nbytes`` > 0) or free (``nbytes`` < 0) at ``ptr``."""
+
+    time_ns: int
+    ptr: int
+    nbytes: int
+
+
+def memory_events(prof: profile, device_type: str = "cpu") -> list[MemoryEvent]:
+    """The ``[memory]`` events of a finished profile on one device type, in
+    time order (ties keep the profiler's order). The one place that reads the
+    profiler's private event tree, which gives each event its address."""
+    events, stack = [], list(reversed(prof.profiler.kineto_results.experimental_event_tree()))
+    while stack:  # depth first, in the tree's order
+        node = stack.pop()
+        stack.extend(reversed(node.children))
+        fields = node.extra_fields
+        if node.name == "[memory]" and fields.device.type == device_type:
+            events.append(MemoryEvent(node.start_time_ns, fields.ptr, fields.alloc_size))
+    return sorted(events, key=lambda e: e.time_ns)
+
+
+def peak_of(events: list[MemoryEvent]) -> tuple[int, int]:
+    """The running maximum of the live bytes over ``events`` (0 before the
+    first), and the number of events replayed when it was reached."""
+    live = peak = reached = 0
+    for index, event in enumerate(events, start=1):
+        live += event.nbytes
+        if live > peak:
+            peak, reached = live, index
+    return peak, reached
+
+
 def peak_cpu_bytes(fn: Callable[[], object]) -> int:
     """Peak bytes allocated on CPU while ``fn`` runs, above what was live before.
 
@@ -50,16 +87,7 @@ def peak_cpu_bytes(fn: Callable[[], object]) -> int:
     """
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
-    events = [
-        (event.start_ns(), event.nbytes())
-        for event in prof.profiler.kineto_results.events()
-        if event.name() == "[memory]" and event.device_type() == torch.autograd.DeviceType.CPU
-    ]
-    live = peak = 0
-    for _, nbytes in sorted(events, key=lambda e: e[0]):
-        live += nbytes
-        peak = max(peak, live)
-    return peak
+    return peak_of(memory_events(prof))[0]
 
 
 def peak_cuda_bytes(fn: Callable[[], object], device: torch.device | str = "cuda") -> int:

@@ -122,13 +122,17 @@ class Runner:
     """How many blocks were compiled one by one (ckpt-per-block); None when the
     whole model is one torch.compile. Blocks of one class usually share one
     compiled graph, and so one Plan, run once per block."""
+    reports: list = dataclasses.field(default_factory=list)
+    """The reports ckpt wrote (when its config has a report_dir)."""
 
 
-def build_runner(model: torch.nn.Module, mode: Mode, dynamic: bool | None = False) -> Runner:
+def build_runner(model: torch.nn.Module, mode: Mode, dynamic: bool | None = False,
+                 report_dir: str | None = None) -> Runner:
     """The Runner of ``mode`` over ``model`` (checkpointing already set on the model).
 
     ``dynamic`` goes to torch.compile. False (the default): compiled for the
     shapes it is called with, as a fixed-shape training run is.
+    ``report_dir``: where ckpt writes its reports (default: CKPT_REPORT).
     """
     if not mode.compiled:
         return Runner(model, [])
@@ -142,13 +146,15 @@ def build_runner(model: torch.nn.Module, mode: Mode, dynamic: bool | None = Fals
     from ckpt import make_backend
 
     overrides = {} if mode.budget is None else {"memory_budget": MemoryBudget.parse(mode.budget)}
+    if report_dir is not None:
+        overrides["report_dir"] = report_dir
     backend = make_backend(**overrides)
     if mode.kind == "ckpt-per-block":
         blocks = repeated_blocks(model)
         for block in blocks:  # one backend for all: its plans list collects every block's Plan
             block.compile(backend=backend, dynamic=dynamic)
-        return Runner(model, backend.plans, blocks=len(blocks))
-    return Runner(torch.compile(model, backend=backend, dynamic=dynamic), backend.plans)
+        return Runner(model, backend.plans, blocks=len(blocks), reports=backend.reports)
+    return Runner(torch.compile(model, backend=backend, dynamic=dynamic), backend.plans, reports=backend.reports)
 
 
 def repeated_blocks(model: torch.nn.Module) -> torch.nn.ModuleList:

@@ -9,7 +9,16 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
 
 from bench.harness import CaseResult  # noqa: E402
+from bench.ledger import Ledger  # noqa: E402
 from bench.report import MiB, sweep_depth  # noqa: E402
+
+LEDGER_PARTS = (  # bottom to top: what lives before the step, then what the step allocates
+    ("parameters", "parameters_bytes", "tab:gray"),
+    ("optimizer state", "optimizer_state_bytes", "tab:purple"),
+    ("gradients at the peak", "gradients_at_peak", "tab:blue"),
+    ("saved activations at the peak", "saved_at_peak", "tab:orange"),
+    ("temporaries at the peak", "temporaries_at_peak", "tab:red"),
+)
 
 
 def style_axes(ax, xlabel: str, ylabel: str, title: str, legend: bool = False) -> None:
@@ -89,6 +98,51 @@ def largest_batch(case: CaseResult, path: str) -> bool:
     return True
 
 
+def memory_ledger(rows: list[tuple[str, Ledger, int | None]], title: str, path: str) -> bool:
+    """Stacked bars of each mode's memory at its step's peak, from the
+    ``(mode, ledger, predicted peak bytes or None)`` rows; a black tick marks
+    ckpt's predicted peak on the same scale. False (and no file) without rows."""
+    if not rows:
+        return False
+    fig, ax = plt.subplots(figsize=(max(6.4, 1.1 * len(rows) + 2.5), 4.8))
+    positions = list(range(len(rows)))
+    bottoms = [0.0] * len(rows)
+    for label, field, color in LEDGER_PARTS:
+        heights = [(getattr(ledger, field) or 0) / MiB for _, ledger, _ in rows]
+        if any(heights):
+            ax.bar(positions, heights, bottom=bottoms, color=color, label=label, width=0.6)
+            bottoms = [b + h for b, h in zip(bottoms, heights)]
+    predicted = [(x, (ledger.total_at_peak - ledger.peak_bytes + peak) / MiB)
+                 for x, (_, ledger, peak) in zip(positions, rows) if peak is not None]
+    if predicted:
+        ax.scatter(*zip(*predicted), marker="_", s=900, color="black", zorder=3, label="predicted peak (ckpt)")
+    ax.set_xticks(positions, [f"{mode}\n(peak in {ledger.peak_phase})" for mode, ledger, _ in rows],
+                  rotation=20, ha="right", fontsize=8)
+    style_axes(ax, "", "MiB alive at the step's peak", title)
+    handles, labels = ax.get_legend_handles_labels()  # top of the stack first, as drawn
+    ax.legend(handles[::-1], labels[::-1], fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), markerscale=0.4)
+    save(fig, path)
+    return True
+
+
+def loss_curves(runs: list, path: str) -> bool:
+    """Training loss per step (left) and validation loss (right) of each
+    training Run, one line per mode. Modes whose losses are the same overlay:
+    each is drawn thinner than the one before, so every line stays visible."""
+    if not runs:
+        return False
+    fig, (train, valid) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for index, run in enumerate(runs):
+        width = max(0.6, 3.0 - 0.6 * index)
+        steps = range(run.start, run.start + len(run.losses))
+        train.plot(steps, run.losses, linewidth=width, alpha=0.8, label=run.mode)
+        valid.plot(*zip(*run.validation), marker="o", markersize=2 + width, linewidth=width, label=run.mode)
+    style_axes(train, "step", "training loss (one batch)", "training loss per step", legend=True)
+    style_axes(valid, "steps trained", "validation loss (dropout off)", "validation loss", legend=True)
+    save(fig, path)
+    return True
+
+
 def write_plots(models: list[CaseResult], sweep: list[CaseResult], out: str) -> list[str]:
     """Every plot into ``out``; the paths written."""
     written = []
@@ -98,6 +152,10 @@ def write_plots(models: list[CaseResult], sweep: list[CaseResult], out: str) -> 
             written.append(path)
         path = os.path.join(out, f"{case.name}_largest_batch.png")
         if largest_batch(case, path):
+            written.append(path)
+        path = os.path.join(out, f"{case.name}_memory_ledger.png")
+        rows = [(r.mode, r.ledger, r.predicted_peak_bytes) for r in case.modes if r.ledger is not None]
+        if memory_ledger(rows, f"{case.name}: memory at the peak of one step (no optimizer)", path):
             written.append(path)
     path = os.path.join(out, "depth_sweep.png")
     if sweep and depth_sweep(sweep, path):

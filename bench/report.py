@@ -98,6 +98,32 @@ def model_table(case: CaseResult) -> str:
     return "\n".join(lines)
 
 
+def ledger_table(rows: list[tuple[str, object, int | None, int | None]]) -> str:
+    """The memory ledger of each mode, from ``(mode, Ledger, plan's saved
+    bytes or None, predicted peak bytes or None)`` rows: the full size of
+    each part, then what is alive at the step's peak. ckpt's estimates
+    stand beside the measurements they estimate."""
+    lines = [
+        "| mode | parameters MiB | optimizer state MiB | gradients MiB | saved MiB (plan) "
+        "| peak MiB (predicted) | peak in | at the peak: gradients / saved / temporaries MiB "
+        "| total at the peak MiB |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for mode, ledger, plan_saved, predicted in rows:
+        lines.append(
+            f"| {mode} | {_mib(ledger.parameters_bytes)} | {_mib(ledger.optimizer_state_bytes)} "
+            f"| {_mib(ledger.gradients_bytes)} | {_mib(ledger.saved_activations_bytes)}{_estimate(plan_saved)} "
+            f"| {_mib(ledger.peak_bytes)}{_estimate(predicted)} | {ledger.peak_phase} "
+            f"| {_mib(ledger.gradients_at_peak)} / {_mib(ledger.saved_at_peak)} / {_mib(ledger.temporaries_at_peak)} "
+            f"| {_mib(ledger.total_at_peak)} |"
+        )
+    return "\n".join(lines)
+
+
+def _estimate(nbytes) -> str:
+    return "" if nbytes is None else f" ({_mib(nbytes)})"
+
+
 def sweep_table(sweep: list[CaseResult]) -> str:
     # The sizes but the depth, which the rows give.
     shape = re.sub(r"\d+ layers, ", "", sweep[0].description) if sweep else ""
@@ -137,7 +163,14 @@ default batch in that same dynamic graph (it may differ a little from the
 static peak in the table); the throughput there is the median of a few steps."""
 
 
-def _load_note(meta: dict) -> list[str]:
+LEDGER_LEGEND = (
+    "parameters and buffers and the optimizer state live before the step; the step's peak is above "
+    "them; at the peak, each allocation of the step is a gradient, a saved activation, or a temporary "
+    "(the rest); in parentheses, ckpt's plan and predicted peak"
+)
+
+
+def busy_machine_note(meta: dict) -> list[str]:
     """A warning when other processes competed for the CPUs: the suite itself
     keeps at most one CPU per thread busy, so a load average clearly above
     that means contention, and step times (not memory) are then unreliable."""
@@ -157,12 +190,16 @@ def to_markdown(models: list[CaseResult], sweep: list[CaseResult], meta: dict) -
         f"torch {m['torch']}, device {m.get('device_name', m['device'])}; "
         f"preset {meta['settings']['preset']}, {meta['elapsed_s']:.0f} s in all.",
         "",
-        *_load_note(meta),
+        *busy_machine_note(meta),
         LEGEND,
         "",
     ]
     for case in models:
         lines += [model_table(case), ""]
+        rows = [(r.mode, r.ledger, r.plan_saved_bytes, r.predicted_peak_bytes) for r in case.modes if r.ledger]
+        if rows:
+            lines += [f"Memory ledger of one step (no optimizer in this step; {LEDGER_LEGEND}):", "",
+                      ledger_table(rows), "", f"![{case.name} memory ledger]({case.name}_memory_ledger.png)", ""]
     if sweep:
         lines += [sweep_table(sweep), ""]
     for skipped in meta.get("skipped", []):

@@ -34,7 +34,7 @@ import warnings
 import torch
 import torch.fx as fx
 
-from .classify import GraphFacts, activation_bytes, recomputed_nodes
+from .classify import GraphFacts, activation_bytes, read_by_backward, recomputed_nodes
 from .config import ConfigError, MemoryBudget
 from .cost import DeviceProfile, estimate_runtime_s
 from .peak import PeakEstimate, estimate_step_peak
@@ -102,7 +102,7 @@ def solve_with_budget(
     (``resolve_peak_target`` turns ``peak:auto`` into bytes).
     """
     start = time.perf_counter()
-    saved = solve(build_flow_graph(facts))
+    saved = read_by_backward(facts, solve(build_flow_graph(facts)))
     peak = estimate_step_peak(facts, saved)
     optimal = BudgetSolution(
         saved=tuple(saved),
@@ -515,7 +515,7 @@ class _Search:
             for node, seconds in self.runtime.items()
             if node not in keep
         }
-        saved = solve(build_flow_graph(self.facts, price, boundaries))
+        saved = read_by_backward(self.facts, solve(build_flow_graph(self.facts, price, boundaries)))
         recomputed = frozenset(recomputed_nodes(self.facts, set(saved)) & self.runtime.keys())
         peak = estimate_step_peak(self.facts, saved)
         return BudgetSolution(

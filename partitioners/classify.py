@@ -72,7 +72,26 @@ def activation_bytes(facts: GraphFacts, saved) -> int:
 
 def recomputed_nodes(facts: GraphFacts, saved: set[fx.Node]) -> set[fx.Node]:
     """Forward nodes backward needs that are not saved: backward re-runs them."""
+    needed, _ = _backward_reads(facts, saved)
+    return {n for n in needed if n in facts.forward}
+
+
+def read_by_backward(facts: GraphFacts, saved) -> list[fx.Node]:
+    """The values of ``saved`` that backward reads, in order. A forced
+    segment boundary may be read by no one (the next boundary, or a value
+    after it, serves backward instead): torch's extraction drops such a value
+    from the saved set, so counting it would overstate the saved bytes."""
+    saved = list(saved)
+    _, read = _backward_reads(facts, set(saved))
+    read |= set(facts.backward_outputs)
+    return [node for node in saved if node in read]
+
+
+def _backward_reads(facts: GraphFacts, saved: set[fx.Node]) -> tuple[set[fx.Node], set[fx.Node]]:
+    """Walking back from backward: the unsaved nodes it needs, and the saved
+    values where the walk stops (those backward reads)."""
     needed: set[fx.Node] = set()
+    read: set[fx.Node] = set()
     stack = [
         arg
         for node in list(facts.backward) + list(facts.backward_outputs)
@@ -80,11 +99,12 @@ def recomputed_nodes(facts: GraphFacts, saved: set[fx.Node]) -> set[fx.Node]:
     ]
     while stack:
         node = stack.pop()
-        if node in needed or node in saved or node in facts.backward:
-            continue
-        needed.add(node)
-        stack.extend(node.all_input_nodes)
-    return {n for n in needed if n in facts.forward}
+        if node in saved:
+            read.add(node)
+        elif node not in needed and node not in facts.backward:
+            needed.add(node)
+            stack.extend(node.all_input_nodes)
+    return needed, read
 
 
 def classify(

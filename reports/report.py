@@ -128,10 +128,31 @@ def render_markdown(report: dict) -> str:
         f"- parameters and buffers: {_size(ledger['parameters_bytes'])}",
         f"- gradients it returns: {_size(ledger['gradients_bytes'])}",
         f"- activations saved for backward: {_size(ledger['saved_activation_bytes'])}",
+        *_optimizer_state_line(ledger),
         "- largest temporaries:",
     ]
     lines += [f"  - {t['name']} ({t['op']}, {t['where']}): {_size(t['bytes'])}" for t in ledger["largest_temporaries"]]
     return "\n".join(lines) + "\n"
+
+
+# The optimizer's state: the backend compiles before any optimizer step and
+# cannot see it; a training loop that runs one (bench/train.py) adds it.
+
+def add_optimizer_state(report: dict, nbytes: int, optimizer: str) -> dict:
+    """A copy of ``report`` whose ledger also lists ``nbytes``, the state of
+    ``optimizer`` (a name, e.g. ``AdamW``) for all the parameters it trains.
+    A fallback report is returned as is."""
+    if report["fallback"]:
+        return report
+    ledger = {**report["ledger"], "optimizer_state_bytes": nbytes, "optimizer": optimizer}
+    return {**report, "ledger": ledger}
+
+
+def _optimizer_state_line(ledger: dict) -> list[str]:
+    if "optimizer_state_bytes" not in ledger:  # the backend alone does not know it
+        return []
+    return [f"- optimizer state ({ledger['optimizer']}, all its parameters, measured by the training loop): "
+            f"{_size(ledger['optimizer_state_bytes'])}"]
 
 
 def write_report(report: dict, folder: str | pathlib.Path) -> pathlib.Path:

@@ -27,6 +27,10 @@ def test_quick_suite_on_the_mlp_writes_json_markdown_and_plots(tmp_path):
         assert m["step_s"] > 0 and len(m["step_times_s"]) == 2 and m["throughput"] > 0
         assert m["compile_s"] > 0
         assert m["max_grad_diff"] < 1e-4
+        # The ledger's step is one more step of the same kind: the same peak and saved bytes.
+        ledger = m["ledger"]
+        assert (ledger["peak_bytes"], ledger["saved_activations_bytes"]) == (m["peak_bytes"], m["saved_bytes"])
+        assert ledger["optimizer_state_bytes"] is None and ledger["peak_phase"] == "backward"
     assert modes["eager"]["max_grad_diff"] == 0.0  # eager is the reference
     assert modes["ckpt"]["saved_bytes"] <= modes["compile"]["saved_bytes"]
     assert modes["ckpt"]["plan_saved_bytes"] is not None and modes["ckpt"]["fallback"] is None
@@ -37,6 +41,8 @@ def test_quick_suite_on_the_mlp_writes_json_markdown_and_plots(tmp_path):
 
     markdown = open(os.path.join(out, "results.md")).read()
     assert "### mlp:" in markdown and "| ckpt |" in markdown
-    assert data["plots"] == ["mlp_memory_vs_time.png"]
-    with open(os.path.join(out, "mlp_memory_vs_time.png"), "rb") as f:
-        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    assert "| ckpt | 0.03 | - | 0.03 |" in markdown  # the ledger: parameters, no optimizer, gradients
+    assert data["plots"] == ["mlp_memory_vs_time.png", "mlp_memory_ledger.png"]
+    for plot in data["plots"]:
+        with open(os.path.join(out, plot), "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"

@@ -178,6 +178,18 @@ def _gpt_partition(depth=4, budget=None):
     )
 
 
+def test_a_budget_plan_saves_only_what_backward_reads():
+    """A forced segment boundary that backward never reads (here the token
+    embedding, whose sum with the positions is a boundary too) is dropped by
+    torch's extraction: the plan must not save it, or its saved bytes (and
+    the report's) overstate what autograd holds."""
+    result = _gpt_partition(depth=4, budget=0.0)
+    (output,) = result.forward.graph.find_nodes(op="output")
+    passed_to_backward = {n.name for n in output.args[0] if isinstance(n, torch.fx.Node)}
+    assert set(result.plan.saved) <= passed_to_backward
+    assert "embedding" not in result.plan.saved
+
+
 def test_spine_is_the_residual_stream_between_sublayers():
     facts = _gpt_partition(depth=3).facts
     spine = spine_values(facts)
