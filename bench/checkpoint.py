@@ -6,7 +6,7 @@ of the new process. What is in them: the model's and the optimizer's state,
 and the default generator's state, from which Inductor draws its dropout
 seeds (``inductor_seeds``, once per step) and eager dropout its masks. The
 batches and the learning rate are functions of the step (bench/corpus.py,
-bench/train.py), so there is no sampler or scheduler state to keep.
+bench/training.py), so there is no sampler or scheduler state to keep.
 """
 from __future__ import annotations
 

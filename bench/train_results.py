@@ -16,7 +16,7 @@ from bench.harness import fresh_inductor_cache, warm_up_compiler
 from bench.ledger import Ledger
 from bench.modes import Mode
 from bench.report import busy_machine_note, ledger_table, machine_info, write_json
-from bench.train import Run, TrainSettings, train
+from bench.training import Run, TrainSettings, train
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REFERENCE = "compile"

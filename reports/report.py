@@ -136,7 +136,7 @@ def render_markdown(report: dict) -> str:
 
 
 # The optimizer's state: the backend compiles before any optimizer step and
-# cannot see it; a training loop that runs one (bench/train.py) adds it.
+# cannot see it; a training loop that runs one (bench/training.py) adds it.
 
 def add_optimizer_state(report: dict, nbytes: int, optimizer: str) -> dict:
     """A copy of ``report`` whose ledger also lists ``nbytes``, the state of

@@ -9,7 +9,7 @@ import torch
 from bench.corpus import load_corpus, stdlib_files, train_batch, validation_batches
 from bench.harness import fresh_inductor_cache
 from bench.modes import parse_mode
-from bench.train import SIZES, train
+from bench.training import SIZES, train
 from bench.train_results import agreement, resume_in_new_process
 
 SETTINGS = dataclasses.replace(SIZES["quick"], steps=4, eval_every=2)
