@@ -357,8 +357,9 @@ def test_peak_budget_takes_the_fastest_plan_whose_predicted_peak_fits():
         plan = _gpt_partition(budget=f"peak:{target}B").plan
         assert plan.fits_budget and plan.estimated_peak_bytes <= target * (1 - PEAK_MODEL_MARGIN)
         assert plan.budget_bytes == target
-        # A tighter peak never buys a faster plan.
-        assert plan.recompute_time_s >= previous_time
+        # A tighter peak never buys a faster plan (equal plans' times may
+        # differ in the last bits: sums of the same costs in another order).
+        assert plan.recompute_time_s >= previous_time * (1 - 1e-12)
         previous_time = plan.recompute_time_s
 
 
