@@ -43,6 +43,12 @@ from .ops import OpCategory
 
 aten = torch.ops.aten
 
+
+def _every_overload(*packets) -> frozenset:
+    """Every overload of these aten ops (node targets are overloads)."""
+    return frozenset(getattr(packet, name) for packet in packets for name in packet.overloads())
+
+
 # Categories Inductor can compute inside a reader's kernel. Seeded random
 # values are computed by a fused kernel too, but always into a buffer of
 # their own (torch/_inductor/lowering.py inductor_random: result.realize()):
@@ -57,11 +63,9 @@ FUSED = INLINABLE | FUSED_BUFFER | REDUCTIONS
 
 # Data movement Inductor lowers to a kernel writing a buffer (a scatter into
 # a fresh buffer, a concatenation), not to an inlinable expression.
-ALWAYS_WRITTEN = frozenset(
-    getattr(packet, name)
-    for packet in (aten.cat, aten.index_put, aten.scatter, aten.scatter_add,
-                   aten.slice_scatter, aten.select_scatter, aten.embedding_dense_backward)
-    for name in packet.overloads()
+ALWAYS_WRITTEN = _every_overload(
+    aten.cat, aten.index_put, aten.scatter, aten.scatter_add,
+    aten.slice_scatter, aten.select_scatter, aten.embedding_dense_backward
 )
 
 # torch/_inductor/config.py realize_reads_threshold: a reused pointwise value
@@ -367,14 +371,12 @@ def buffer_reads(facts: GraphFacts, order: list[fx.Node], buffers: set[fx.Node])
 # buffer of their own (measured on CPU: the workspace beyond the three
 # gradients is the query's size in float32 plus per-thread blocks of a few
 # KiB; FlashAttention-2 keeps the same dq accumulator on CUDA).
-ATTENTION_BACKWARD = frozenset(
-    getattr(packet, name)
-    for packet in (aten._scaled_dot_product_flash_attention_for_cpu_backward,
-                   aten._scaled_dot_product_flash_attention_backward,
-                   aten._scaled_dot_product_efficient_attention_backward,
-                   aten._scaled_dot_product_cudnn_attention_backward,
-                   aten._flash_attention_backward, aten._efficient_attention_backward)
-    for name in packet.overloads()
+ATTENTION_BACKWARD = _every_overload(
+    aten._scaled_dot_product_flash_attention_for_cpu_backward,
+    aten._scaled_dot_product_flash_attention_backward,
+    aten._scaled_dot_product_efficient_attention_backward,
+    aten._scaled_dot_product_cudnn_attention_backward,
+    aten._flash_attention_backward, aten._efficient_attention_backward
 )
 FLOAT32_BYTES = 4
 
@@ -387,11 +389,8 @@ FLOAT32_BYTES = 4
 # forward 54.6 MiB, predicted 46.3 without the buffer and 55.3 with it;
 # backward 73.3 MiB, three 9 MiB buffers alive at layer 4 where the model
 # had one.
-CONVOLUTIONS = frozenset(
-    getattr(packet, name)
-    for packet in (aten.convolution, aten.convolution_backward)
-    for name in packet.overloads()
-)
+FORWARD_CONVOLUTIONS = _every_overload(aten.convolution)
+CONVOLUTIONS = FORWARD_CONVOLUTIONS | _every_overload(aten.convolution_backward)
 
 
 def workspace_bytes(node: fx.Node, facts: GraphFacts) -> int:
@@ -401,7 +400,7 @@ def workspace_bytes(node: fx.Node, facts: GraphFacts) -> int:
         if isinstance(query, torch.Tensor):
             return compat.hint_int(query.numel()) * FLOAT32_BYTES
     if node.target in CONVOLUTIONS:
-        forward = node.target in _FORWARD_CONVOLUTIONS
+        forward = node.target in FORWARD_CONVOLUTIONS
         weight = node.args[1] if forward else node.args[2]
         value = weight.meta.get("val") if isinstance(weight, fx.Node) else None
         if isinstance(value, torch.Tensor) and value.device.type == "cpu":
@@ -410,8 +409,6 @@ def workspace_bytes(node: fx.Node, facts: GraphFacts) -> int:
             return copies * compat.hint_int(value.numel()) * value.element_size()
     return 0
 
-
-_FORWARD_CONVOLUTIONS = frozenset(getattr(aten.convolution, name) for name in aten.convolution.overloads())
 
 
 def _op_name(node: fx.Node) -> str:
