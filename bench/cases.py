@@ -11,10 +11,10 @@ from collections.abc import Callable
 
 import torch.nn as nn
 
-from bench.models import GPT, MLP, ConvNet, GPTConfig, gpt_batch, image_batch, mlp_batch
+from bench.models import GPT, MLP, ConvNet, GPTConfig, MoE, MoEConfig, gpt_batch, image_batch, mlp_batch, moe_batch
 
 PRESETS = ("quick", "default", "cuda", "cuda-quick")
-BUILTIN = ("mlp", "gpt", "gpt-dropout", "convnet")
+BUILTIN = ("mlp", "gpt", "gpt-dropout", "convnet", "moe")
 SWEEP = "gpt-depth"
 """The depth sweep: GPT at several depths, memory and compile/partitioner time only."""
 
@@ -52,6 +52,11 @@ GPT_SIZES = {
     "cuda": (GPTConfig(depth=6, width=512, heads=8, seq=512, vocab=8192), 8),
 }
 CONV_SIZES = {"quick": (8, 2, 8, 4), "default": (16, 2, 32, 16), "cuda": (64, 4, 64, 64)}  # channels, stages, image, batch
+MOE_SIZES = {
+    "quick": (MoEConfig(depth=2, width=32, hidden=64, experts=4, seq=16), 2),
+    "default": (MoEConfig(depth=2, width=64, hidden=128, experts=4, seq=32), 4),
+    "cuda": (MoEConfig(depth=4, width=512, hidden=1024, experts=8, seq=512), 8),
+}
 SWEEP_DEPTHS = {"quick": (1, 2), "default": (2, 4, 8, 16), "cuda": (4, 8, 16, 32, 48), "cuda-quick": (4, 8, 16)}
 SWEEP_SIZES = {  # small width: the sweep is about depth
     "quick": (GPTConfig(width=32, heads=2, seq=16, vocab=64), 2),
@@ -94,6 +99,16 @@ def convnet_case(preset: str) -> Case:
     )
 
 
+def moe_case(preset: str) -> Case:
+    cfg, batch = MOE_SIZES[_sizes(preset)]
+    return Case(
+        "moe", f"top-{cfg.top_k} MoE, {cfg.depth} layers, {cfg.experts} einsum experts, "
+               f"d={cfg.width}, h={cfg.hidden}, seq {cfg.seq}",
+        lambda: MoE(cfg), lambda b: moe_batch(cfg, b), batch,
+        unit="tokens", per_sample=cfg.seq,
+    )
+
+
 def sweep_cases(preset: str, depths=None) -> list[Case]:
     """GPT at each depth of the sweep, small width."""
     base, batch = SWEEP_SIZES[_sizes(preset)]
@@ -113,4 +128,6 @@ def builtin_case(name: str, preset: str) -> Case:
         return gpt_case(dataclasses.replace(cfg, dropout=0.1), batch)
     if name == "convnet":
         return convnet_case(preset)
+    if name == "moe":
+        return moe_case(preset)
     raise ValueError(f"unknown built-in model {name!r}; choose from {', '.join(BUILTIN)}")

@@ -153,6 +153,73 @@ class ConvNet(nn.Module):
         return F.cross_entropy(self.classifier(x), labels)
 
 
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    depth: int = 2
+    width: int = 64
+    hidden: int = 128
+    experts: int = 4
+    top_k: int = 2
+    seq: int = 32
+
+
+class MoELayer(nn.Module):
+    """Pre-norm top-k mixture of SwiGLU experts with a residual.
+
+    The experts' weights are stacked parameters: a fused gate/up weight
+    (E, d, 2h), split into its two halves (views of the parameter), and a
+    down weight (E, h, d). torch.einsum applies them to every token densely
+    (it permutes and reshapes the weights for its batched matmuls); each
+    token's output is the sum of its top-k experts' outputs weighted by
+    their renormalized router probabilities (the other experts get 0)."""
+
+    def __init__(self, cfg: MoEConfig):
+        super().__init__()
+        self.top_k = cfg.top_k
+        self.ln = nn.LayerNorm(cfg.width)
+        self.router = nn.Linear(cfg.width, cfg.experts, bias=False)
+        scale_in, scale_out = cfg.width ** -0.5, cfg.hidden ** -0.5
+        self.w_gate_up = nn.Parameter(torch.randn(cfg.experts, cfg.width, 2 * cfg.hidden) * scale_in)
+        self.w_down = nn.Parameter(torch.randn(cfg.experts, cfg.hidden, cfg.width) * scale_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.ln(x)
+        probs = self.router(h).softmax(dim=-1)                         # (b, t, E)
+        top_w, top_i = probs.topk(self.top_k, dim=-1)                  # (b, t, k)
+        top_w = top_w / top_w.sum(dim=-1, keepdim=True)
+        gate = torch.zeros_like(probs).scatter(-1, top_i, top_w)       # (b, t, E)
+        w_gate, w_up = self.w_gate_up.chunk(2, dim=-1)                 # (E, d, h) each
+        hidden = (F.silu(torch.einsum("btd,edh->beth", h, w_gate))
+                  * torch.einsum("btd,edh->beth", h, w_up))            # (b, E, t, h)
+        down = torch.einsum("beth,ehd->betd", hidden, self.w_down)     # (b, E, t, d)
+        return x + torch.einsum("betd,bte->btd", down, gate)
+
+
+class MoE(nn.Module):
+    """``depth`` top-k mixture-of-experts layers with einsum experts, a final
+    LayerNorm, and a mean-square loss. Input: (batch, seq, width) floats.
+
+    ``checkpoint_blocks``: run each layer under torch.utils.checkpoint."""
+
+    def __init__(self, cfg: MoEConfig = MoEConfig(), checkpoint_blocks: bool = False):
+        super().__init__()
+        self.cfg = cfg
+        self.checkpoint_blocks = checkpoint_blocks
+        self.blocks = nn.ModuleList(MoELayer(cfg) for _ in range(cfg.depth))
+        self.ln = nn.LayerNorm(cfg.width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = run_block(block, x, self.checkpoint_blocks)
+        return self.ln(x).square().mean()
+
+
+def moe_batch(cfg: MoEConfig, batch: int, seed: int = 0):
+    """Random inputs (batch, seq, width) for MoE, the same for the same seed."""
+    generator = torch.Generator().manual_seed(seed)
+    return (torch.randn(batch, cfg.seq, cfg.width, generator=generator),)
+
+
 def gpt_batch(cfg: GPTConfig, batch: int, seq: int | None = None, seed: int = 0):
     """Random (tokens, targets) of shape (batch, seq), the same for the same seed."""
     generator = torch.Generator().manual_seed(seed)
