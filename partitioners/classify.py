@@ -189,6 +189,10 @@ def _storage_root(node: fx.Node, category: OpCategory, earlier: dict) -> fx.Node
     # Every aten view op aliases its first argument.
     if category is OpCategory.VIEW and node.args and isinstance(node.args[0], fx.Node):
         return earlier[node.args[0]].storage_root
+    # An element of a multi-output view op (split, chunk, unbind) aliases
+    # that op's input too: a chunk of a parameter is the parameter's storage.
+    if category is OpCategory.GETITEM and earlier[node.args[0]].category is OpCategory.VIEW:
+        return earlier[node.args[0]].storage_root
     return node
 
 

@@ -1,9 +1,12 @@
 """Exact saved sets on tiny joint graphs, partitioned without Inductor codegen."""
+import operator
+
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import CheckpointPolicy
 
 from conftest import aot_plan, node_named
+from partitioners.ops import OpCategory
 
 
 def leaf(*shape, dtype=torch.float32):
@@ -127,3 +130,43 @@ def test_seeded_random_is_replayed_from_its_seed():
     assert plan.saved == ("inductor_lookup_seed",)
     assert plan.recomputed == ("inductor_random", "gt")
     assert plan.saved_activation_bytes == 8
+
+
+def test_chunks_of_an_input_are_the_inputs_storage_not_activations():
+    # split/chunk/unbind return a tuple of views; each element (a getitem)
+    # aliases the op's input. Counted as activations of their own, the
+    # halves of x were 32 KiB in the plan while autograd kept nothing new.
+    from bench.measure import count_saved_bytes
+
+    x, w = leaf(64, 128), leaf(64, 32)
+
+    def f(x, w):
+        a, b = x.chunk(2, dim=-1)
+        return (a.sin() * b.cos()) @ w
+
+    with count_saved_bytes([x, w]) as saved:
+        plan, _ = aot_plan(f, x, w)
+    assert plan.saved == ("primals_1", "primals_2")
+    assert plan.saved_activation_bytes == saved["bytes"] == 0
+
+
+def test_elements_of_a_split_parameter_are_rooted_at_the_parameter():
+    from conftest import aot_partition
+
+    w, x = leaf(4, 8, 6), leaf(3, 8)
+
+    def f(w, x):
+        w_gate, w_up = w.chunk(2, dim=-1)
+        experts = w.unbind(0)
+        return torch.einsum("td,edh->eth", x, w_gate) * torch.einsum("td,edh->eth", x, w_up) + experts[0].sum()
+
+    result, _ = aot_partition(f, w, x)
+    facts, weight = result.facts, node_named(result.forward, "primals_1")
+    elements = [n for n in facts.nodes if n.target is operator.getitem]
+    assert len(elements) == 3  # both halves, and the one expert used
+    for node in elements:
+        assert facts.nodes[node].storage_root.name == weight.name
+    # A view of an element (einsum permutes the weight halves) too.
+    views = [n for n in facts.nodes if n.args and n.args[0] in elements
+             and facts.nodes[n].category is OpCategory.VIEW]
+    assert views and all(facts.nodes[n].storage_root.name == weight.name for n in views)
