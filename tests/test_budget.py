@@ -226,10 +226,12 @@ def test_repeated_blocks_are_found_and_boundaries_sit_at_one_place_per_block():
 def test_tightest_fraction_keeps_a_boundary_after_every_sublayer():
     plan = _gpt_partition(depth=4, budget=0.0).plan
     boundaries = {d.name for d in plan.decisions if "segment boundary" in d.reason}
-    # The residual stream after attention and after the MLP of every block:
-    # each sublayer is recomputed alone, which the peak model predicts lowest
-    # on this small model (its gradients weigh more than a block's activations).
-    assert {f"add_{i}" for i in range(1, 9)} <= boundaries
+    # The residual stream after the attention of every block (add_1, add_3,
+    # ...): one boundary per block, which the peak model predicts lowest on
+    # this small model once Inductor's buffer pool is modeled (a boundary
+    # after every sublayer too was chosen before; the bench GPT measured
+    # 5.35 MiB with that plan, 5.15 with this one).
+    assert boundaries == {f"add_{i}" for i in range(1, 9, 2)}
     one_per_block = _gpt_partition(depth=4, budget=f"{plan.saved_activation_bytes // 2}B").plan
     assert plan.estimated_peak_bytes <= one_per_block.estimated_peak_bytes
 

@@ -1,9 +1,14 @@
 """The peak model on tiny graphs (no Inductor): which values get a buffer,
 and the predicted forward and backward peaks, byte for byte."""
+from types import SimpleNamespace
+
 import torch
 from conftest import aot_partition
 
-from partitioners.peak import backward_schedule, estimate_step_peak, materialized, workspace_bytes
+from partitioners.ops import OpCategory
+from partitioners.peak import (
+    backward_schedule, estimate_step_peak, materialized, mm_at_its_add, reuse_pool, workspace_bytes,
+)
 
 N = 64 * 64 * 4  # bytes of one 64x64 float32 value
 
@@ -31,13 +36,24 @@ def test_pointwise_chain_is_one_kernel_and_a_matmul_input_is_written():
 
 def test_reused_value_is_written_only_when_costly_to_repeat():
     def f(x):
-        e = x.exp()          # exp read twice: Inductor stores it on CPU
+        e = x.exp()          # exp read twice: Inductor stores it on CPU...
         m = x * 2            # a multiply read twice: recomputed in each reader
-        return (e.sin() + e.cos() + m.sin() * m.cos()).sum()
+        return (e.sum(-1, keepdim=True) * e + m.sin() * m.cos()).sum()
 
     result, _ = aot_partition(f, leaf(64, 64))
     facts, saved, buffers = _forward_buffers(result)
     assert "exp" in buffers and "mul" not in buffers
+
+
+def test_reused_value_read_only_in_its_own_kernel_gets_no_buffer():
+    def f(x):
+        e = x.exp()  # ...but when only pointwise ops of its size read it, they
+        return (e.sin() + e.cos()).sum()  # fuse with it and the buffer is dropped
+
+    result, _ = aot_partition(f, leaf(64, 64))
+    facts = result.facts
+    order = [n for n in facts.nodes if n in facts.forward]
+    assert "exp" not in {n.name for n in materialized(facts, order, kept=set())}
 
 
 def test_step_peak_of_a_two_layer_mlp_by_hand():
@@ -104,3 +120,70 @@ def test_cpu_convolutions_hold_a_weight_sized_buffer_per_weight_layout_they_writ
     assert workspace_bytes(by_target[torch.ops.aten.convolution], facts) == weight_bytes
     # the input's gradient (reordered weight) and the weight's gradient
     assert workspace_bytes(by_target[torch.ops.aten.convolution_backward], facts) == 2 * weight_bytes
+
+
+def _backward_order(result):
+    facts = result.facts
+    saved = {n for n in facts.nodes if n.name in set(result.plan.saved)}
+    return facts, backward_schedule(facts, saved)
+
+
+def test_input_of_an_extern_kernel_with_several_outputs_is_written():
+    # convolution_backward returns a tuple; its gradient input (the mul) is
+    # an expression of the tangent that must be in memory before it runs.
+    def f(x, w):
+        return (torch.nn.functional.conv2d(x, w, padding=1) * 3).sum()
+
+    x, w = torch.randn(2, 8, 16, 16, requires_grad=True), leaf(16, 8, 3, 3)
+    result, _ = aot_partition(f, x, w)
+    facts, order = _backward_order(result)
+    (conv_backward,) = [n for n in order if n.target is torch.ops.aten.convolution_backward.default]
+    grad_output = conv_backward.args[0]
+    assert grad_output.target is torch.ops.aten.mul.Tensor
+    assert grad_output in materialized(facts, order, kept=set())
+
+
+def test_a_matmul_inductor_folds_into_an_add_runs_at_the_add():
+    # A weight used twice: its gradient is add(mm, mm), which Inductor turns
+    # into addmm(mm, ...) at the add: the second mm's inputs live until then.
+    def f(x, y, w):
+        return (x @ w).sin().sum() + ((y @ w).cos() @ w).sum()
+
+    result, _ = aot_partition(f, leaf(64, 64), leaf(64, 64), leaf(64, 64))
+    facts, order = _backward_order(result)
+    moved = mm_at_its_add(order)
+    assert sorted(moved, key=str) == sorted(order, key=str)  # same nodes
+    folded = [n for n in moved if n.target is torch.ops.aten.mm.default
+              and moved.index(n) + 1 < len(moved) and moved[moved.index(n) + 1] in n.users
+              and moved[moved.index(n) + 1].target is torch.ops.aten.add.Tensor]
+    assert folded, "no mm was placed just before the add that reads it"
+    for matmul in folded:
+        (add,) = matmul.users
+        assert order.index(add) - order.index(matmul) > 1  # it was moved
+
+
+def _pool_graph():
+    """Buffers a..d in a graph of their own, with stand-in facts: a and d
+    of one size (10 bytes), b and c of another (5)."""
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    nodes = [graph.call_function(torch.ops.aten.sin.default, (x,), name=name) for name in "abcd"]
+    for node in nodes:
+        node.meta["val"] = torch.empty(4)
+    sizes = dict(zip(nodes, (10, 5, 5, 10)))
+    facts = SimpleNamespace(nodes={n: SimpleNamespace(nbytes=sizes[n], category=OpCategory.POINTWISE) for n in nodes})
+    return facts, nodes
+
+
+def test_a_freed_buffer_waits_in_inductors_pool_for_one_of_its_size():
+    facts, (a, b, c, d) = _pool_graph()
+    steps = dict(written=[[a], [b], [c], [d]], freed=[[a], [], [], []])
+    # a is freed after step 0 and d of the same size is written at step 3:
+    # Inductor hands a's memory to d, holding it over steps 1 and 2, when
+    # that stays under its estimate of the graph's peak (30).
+    assert reuse_pool(facts, [10, 10, 10, 30], ceiling=30, **steps) == [(a, 1, 3)]
+    # Not when holding it would raise that peak (20 + 10 > 20).
+    assert reuse_pool(facts, [10, 20, 10, 20], ceiling=20, **steps) == []
+    # b's size is not d's; c takes b, the most recently freed of its size.
+    spans = reuse_pool(facts, [10, 10, 10, 40], written=[[a], [b], [c], [d]], freed=[[a], [b], [], []], ceiling=40)
+    assert spans == [(b, 2, 2), (a, 1, 3)]
