@@ -512,14 +512,20 @@ def buffer_reads(facts: GraphFacts, order: list[fx.Node], buffers: set[fx.Node])
     values, inputs) are read as themselves."""
     kinds, owners = _kinds_and_owners(facts)
     sources: dict[fx.Node, frozenset] = {}
+    itself: dict[fx.Node, frozenset] = {}
 
     def source(arg: fx.Node) -> frozenset:
         # A placeholder (a tangent, a saved value) is read as itself.
-        return sources.get(arg) or frozenset({owners[arg]})
+        found = sources.get(arg)
+        if not found:
+            found = itself.get(arg) or itself.setdefault(arg, frozenset({owners[arg]}))
+        return found
 
     reads: dict[fx.Node, set[fx.Node]] = {}
     for node in order:
-        arg_sources = frozenset().union(*(source(a) for a in node.all_input_nodes))
+        args = node.all_input_nodes
+        # (the budget search walks each graph many times: skip the union for one input)
+        arg_sources = source(args[0]) if len(args) == 1 else frozenset().union(*map(source, args))
         if node in buffers:
             sources[node] = frozenset({node})
             reads[node] = set(arg_sources)
