@@ -55,33 +55,39 @@ def build_flow_graph(
     """
     recompute_price = recompute_price or {}
     forced_saves = set(forced_saves)
-    flow = nx.DiGraph()
-    flow.add_nodes_from([SOURCE, SINK])
     scale = byte_scale(facts)
     outputs_needed_by_backward = set(facts.backward_outputs)
+    infinite: dict = {}
+    # Edges are gathered in order and added at once: the budget search builds
+    # this graph once per cut, and one add_edges_from is about twice as fast
+    # as an add_edge per edge (same edges, same order, same cut).
+    edges: list[tuple] = []
     for node, node_facts in facts.nodes.items():
         if node in facts.backward:
             continue
         if node in outputs_needed_by_backward or node in forced_saves:
-            flow.add_edge((node, OUT), SINK)  # no capacity: infinite
+            edges.append(((node, OUT), SINK, infinite))  # no capacity: infinite
         forward = node in facts.forward
         banned = node in facts.inputs or node in facts.forced_saves or node in forced_saves or (
             forward and not recompute_allowed(node_facts)
         )
         if banned and node in recompute_price and node not in forced_saves:
-            flow.add_edge(SOURCE, (node, IN), capacity=recompute_price[node])
+            edges.append((SOURCE, (node, IN), {"capacity": recompute_price[node]}))
         elif banned:
-            flow.add_edge(SOURCE, (node, IN))
+            edges.append((SOURCE, (node, IN), infinite))
         elif forward and user_wants_recompute(node_facts):
-            flow.add_edge((node, IN), SINK)
+            edges.append(((node, IN), SINK, infinite))
         if node_facts.savable:
-            flow.add_edge((node, IN), (node, OUT), capacity=_save_cost(node, facts, scale))
+            edges.append(((node, IN), (node, OUT), {"capacity": _save_cost(node, facts, scale)}))
         else:
-            flow.add_edge((node, IN), (node, OUT))
+            edges.append(((node, IN), (node, OUT), infinite))
         for user in node.users:
             if user.op == "output":
                 continue
-            flow.add_edge((node, OUT), SINK if user in facts.backward else (user, IN))
+            edges.append(((node, OUT), SINK if user in facts.backward else (user, IN), infinite))
+    flow = nx.DiGraph()
+    flow.add_nodes_from([SOURCE, SINK])
+    flow.add_edges_from(edges)
     return flow
 
 
