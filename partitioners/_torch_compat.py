@@ -19,6 +19,7 @@ from torch._functorch.compile_utils import fx_graph_cse, raise_getitems
 from torch._inductor.choices import InductorChoices
 from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 from torch._inductor.virtualized import V
+from torch._inductor.utils import is_pointwise_use  # noqa: F401  re-exported
 from torch._prims_common import is_expandable_to  # noqa: F401  re-exported
 from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_files
 from torch.fx.experimental._backward_state import BackwardState

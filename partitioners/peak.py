@@ -144,7 +144,7 @@ def walk(facts: GraphFacts, order: list[fx.Node], kept: set[fx.Node],
         if buffer not in kept:
             frees.setdefault(step, []).append(buffer)
     alive = set(start) - facts.free_inputs
-    live = sum(facts.nodes[b].nbytes for b in alive)
+    live = start_bytes = sum(facts.nodes[b].nbytes for b in alive)
     curve, workspace, written, freed, alive_at = [], [], [], [], []
     ceiling = live
     for step, node in enumerate(order):
@@ -183,10 +183,10 @@ def walk(facts: GraphFacts, order: list[fx.Node], kept: set[fx.Node],
             curve[step] += facts.nodes[buffer].nbytes
             if trace is not None:
                 alive_at[step] |= {buffer}
+    running = [c + w for c, w in zip(curve, workspace)]
     if trace is not None:
-        trace.extend(zip(order, (c + w for c, w in zip(curve, workspace)), alive_at))
-    start_bytes = sum(facts.nodes[b].nbytes for b in set(start) - facts.free_inputs)
-    return max([start_bytes] + [c + w for c, w in zip(curve, workspace)])
+        trace.extend(zip(order, running, alive_at))
+    return max([start_bytes, *running])
 
 
 # Extern kernels Inductor calls with an ``out=`` buffer it allocates itself
@@ -255,22 +255,17 @@ def mm_at_its_add(order: list[fx.Node]) -> list[fx.Node]:
     there, and ``a`` and ``b`` stay alive until then. A tied weight's
     gradient is one: the output projection's gradient waits for the
     embedding's, holding the logits' gradient through the whole backward."""
-    moved = {}
-    for node in order:
-        if node.target in _ADDS and node.op == "call_function":
-            matmul = _folded_matmul(node)
-            if matmul is not None:
-                moved[matmul] = node
-    if not moved:
+    folded = {add: _folded_matmul(add) for add in order if add.op == "call_function" and add.target in _ADDS}
+    folded = {add: matmul for add, matmul in folded.items() if matmul is not None}
+    if not folded:
         return order
-    waiting = {add: matmul for matmul, add in moved.items()}
+    moved = set(folded.values())
     result = []
     for node in order:
-        if node in moved:
-            continue
-        if node in waiting:
-            result.append(waiting[node])
-        result.append(node)
+        if node in folded:
+            result.append(folded[node])
+        if node not in moved:
+            result.append(node)
     return result
 
 
@@ -291,18 +286,10 @@ def _folded_matmul(add: fx.Node) -> fx.Node | None:
         if bias.dtype != result.dtype or not compat.is_expandable_to(bias.shape, result.shape):
             continue
         # On GPUs Inductor keeps them apart when every reader of the sum is pointwise.
-        if result.device.type != "cpu" and all(_pointwise_use(u) for u in add.users):
+        if result.device.type != "cpu" and all(compat.is_pointwise_use(u) for u in add.users):
             continue
         return matmul
     return None
-
-
-def _pointwise_use(node: fx.Node) -> bool:
-    if node.op != "call_function":
-        return False
-    if getattr(node.target, "is_view", False):
-        return all(_pointwise_use(u) for u in node.users)
-    return torch.Tag.pointwise in getattr(node.target, "tags", ())
 
 
 def _tuple_outputs(node: fx.Node, buffers: set[fx.Node]) -> set[fx.Node]:
