@@ -22,7 +22,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from bench.harness import fresh_inductor_cache, prepare, predicted_step_peak
-from bench.measure import quiet_native_stderr
+from bench.measure import memory_events, peak_of, quiet_native_stderr
 from bench.modes import parse_mode
 from bench.peak_model import cases
 from partitioners import peak
@@ -44,23 +44,21 @@ def measure_phase(fn) -> tuple[object, PhasePeak]:
     """Run ``fn`` under the profiler; return its result and its PhasePeak."""
     with quiet_native_stderr(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         out = fn()
-    memory, ops = [], []
-    for event in prof.profiler.kineto_results.events():
-        if event.device_type() != torch.autograd.DeviceType.CPU:
-            continue
-        if event.name() == "[memory]":
-            memory.append((event.start_ns(), event.nbytes()))
-        elif event.duration_ns() > 0:
-            ops.append((event.start_ns(), event.start_ns() + event.duration_ns(), event.name()))
-    live = peak = 0
+    # Memory as the bench measures it (bench.measure), ops for naming the peak.
+    memory = memory_events(prof)
+    peak, reached = peak_of(memory)
+    ops = [
+        (event.start_ns(), event.start_ns() + event.duration_ns(), event.name())
+        for event in prof.profiler.kineto_results.events()
+        if event.device_type() == torch.autograd.DeviceType.CPU and event.name() != "[memory]"
+        and event.duration_ns() > 0
+    ]
     sizes: collections.Counter = collections.Counter()
-    best_sizes, peak_time = collections.Counter(), None
-    for time, nbytes in sorted(memory):
-        live += nbytes
-        sizes[abs(nbytes)] += 1 if nbytes > 0 else -1
-        if live > peak:
-            peak, peak_time, best_sizes = live, time, +sizes
-    return out, PhasePeak(peak, live, _innermost(ops, peak_time), best_sizes)
+    for event in memory[:reached]:
+        sizes[abs(event.nbytes)] += 1 if event.nbytes > 0 else -1
+    peak_time = memory[reached - 1].time_ns if reached else None
+    live = sum(event.nbytes for event in memory)
+    return out, PhasePeak(peak, live, _innermost(ops, peak_time), +sizes)
 
 
 def _innermost(ops, time) -> str:
@@ -93,16 +91,15 @@ def predicted_backward(part, top: int = 12) -> None:
     facts = part.facts
     by_name = {node.name: node for node in facts.nodes}
     saved = {by_name[name] for name in part.plan.saved}
-    held = facts.saved_storages(saved)
-    order = peak.backward_schedule(facts, saved)
-    tangents = {n for n in order if n.op == "placeholder" and n not in facts.inputs}
-    gradients = {peak.owner(n, facts) for n in facts.backward_outputs}
     trace: list = []
-    peak.walk(facts, order, kept=gradients, start=held | tangents, trace=trace)
+    peak.estimate_step_peak(facts, saved, backward_trace=trace)
+    held = facts.saved_storages(saved)
+    gradients = {peak.owner(n, facts) for n in facts.backward_outputs}
     node, now, alive = max(trace, key=lambda step: step[1])
     print(f"  predicted backward peak {now / MiB:.2f} MiB at {node.name} ({node.target}); largest alive:")
     for buffer in sorted(alive, key=lambda b: -facts.nodes[b].nbytes)[:top]:
-        role = "saved" if buffer in held else "gradient" if buffer in gradients else "tangent" if buffer in tangents else ""
+        tangent = buffer.op == "placeholder" and buffer not in facts.inputs
+        role = "saved" if buffer in held else "gradient" if buffer in gradients else "tangent" if tangent else ""
         print(f"    {facts.nodes[buffer].nbytes / MiB:8.3f} MiB  {buffer.name} {role}")
 
 

@@ -100,8 +100,9 @@ class PeakEstimate:
         return max(self.forward_bytes, self.backward_bytes)
 
 
-def estimate_step_peak(facts: GraphFacts, saved) -> PeakEstimate:
-    """The predicted forward and backward peaks of one step that saves ``saved``."""
+def estimate_step_peak(facts: GraphFacts, saved, backward_trace: list | None = None) -> PeakEstimate:
+    """The predicted forward and backward peaks of one step that saves
+    ``saved``; ``backward_trace`` collects the backward walk's steps (``walk``)."""
     saved = set(saved)
     held = facts.saved_storages(saved)
     outputs = _outputs(facts)
@@ -110,7 +111,7 @@ def estimate_step_peak(facts: GraphFacts, saved) -> PeakEstimate:
     order = backward_schedule(facts, saved)
     tangents = {n for n in order if n.op == "placeholder" and n not in facts.inputs}
     gradients = {owner(n, facts) for n in facts.backward_outputs}
-    backward_peak = walk(facts, order, kept=gradients, start=held | tangents)
+    backward_peak = walk(facts, order, kept=gradients, start=held | tangents, trace=backward_trace)
     return PeakEstimate(
         forward_peak, backward_peak,
         held_bytes=sum(facts.nodes[n].nbytes for n in held),
