@@ -102,7 +102,7 @@ def solve_with_budget(
     (``resolve_peak_target`` turns ``peak:auto`` into bytes).
     """
     start = time.perf_counter()
-    saved = read_by_backward(facts, solve(build_flow_graph(facts)))
+    saved = _min_cut(facts)
     peak = estimate_step_peak(facts, saved)
     optimal = BudgetSolution(
         saved=tuple(saved),
@@ -515,7 +515,7 @@ class _Search:
             for node, seconds in self.runtime.items()
             if node not in keep
         }
-        saved = read_by_backward(self.facts, solve(build_flow_graph(self.facts, price, boundaries)))
+        saved = _min_cut(self.facts, price, boundaries)
         recomputed = frozenset(recomputed_nodes(self.facts, set(saved)) & self.runtime.keys())
         peak = estimate_step_peak(self.facts, saved)
         return BudgetSolution(
@@ -530,6 +530,11 @@ class _Search:
             peak=peak,
             recompute_time_s=sum(self.runtime[node] for node in recomputed),
         )
+
+
+def _min_cut(facts: GraphFacts, price=None, boundaries=()) -> list[fx.Node]:
+    """The saved set of the minimum cut, less values backward never reads."""
+    return read_by_backward(facts, solve(build_flow_graph(facts, price, boundaries)))
 
 
 def _by_peak(solution: BudgetSolution) -> tuple[int, float, int]:
