@@ -25,9 +25,8 @@ from bench.harness import fresh_inductor_cache, prepare, predicted_step_peak
 from bench.measure import memory_events, peak_of, quiet_native_stderr
 from bench.modes import parse_mode
 from bench.peak_model import cases
+from bench.report import MiB
 from partitioners import peak
-
-MiB = 2**20
 
 
 @dataclasses.dataclass

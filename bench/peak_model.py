@@ -23,9 +23,8 @@ from bench import real
 from bench.cases import BUILTIN, builtin_case
 from bench.harness import Settings, fresh_inductor_cache, run_case, warm_up_compiler
 from bench.modes import parse_modes
-from bench.report import machine_info
+from bench.report import MiB, machine_info, mib
 
-MiB = 2**20
 POINTS = ("ckpt", "ckpt+budget=0.5", "ckpt+budget=0.0")
 # Peak targets at these shares of the way from the measured peak of the
 # lowest-peak plan (budget 0.0) up to the default plan's, as a user would
@@ -111,9 +110,9 @@ def to_markdown(data: dict) -> str:
         error = relative_error(r)
         target = r.get("target_bytes")
         lines.append(
-            f"| {r['model']} | {r['mode']} | {_mib(r['predicted_bytes'])} | {_mib(r['measured_bytes'])} | "
+            f"| {r['model']} | {r['mode']} | {mib(r['predicted_bytes'])} | {mib(r['measured_bytes'])} | "
             + ("-" if error is None else f"{100 * error:+.1f}%")
-            + f" | {_mib(target)} | "
+            + f" | {mib(target)} | "
             + ("-" if target is None else "yes" if r["within_target"] else "NO") + " |"
             + (f" {r['error']}" if r["error"] else "")
         )
@@ -159,10 +158,6 @@ def scatter(rows: list[dict], path: str) -> None:
     save(fig, path)
 
 
-def _mib(nbytes) -> str:
-    return "-" if nbytes is None else f"{nbytes / MiB:.2f}"
-
-
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=[*BUILTIN, *real.REAL])
@@ -177,8 +172,8 @@ def main(argv=None) -> None:
             rows = measure_model(case, settings)
             data["rows"] += rows
             for r in rows:
-                print(f"{r['model']} {r['mode']}: predicted {_mib(r['predicted_bytes'])} MiB, "
-                      f"measured {_mib(r['measured_bytes'])} MiB", flush=True)
+                print(f"{r['model']} {r['mode']}: predicted {mib(r['predicted_bytes'])} MiB, "
+                      f"measured {mib(r['measured_bytes'])} MiB", flush=True)
     text = to_markdown(data)
     with open(os.path.join(args.out, "peak.md"), "w") as f:
         f.write(text + "\n")

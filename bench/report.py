@@ -51,7 +51,7 @@ def write_json(path: str, data: dict) -> None:
         json.dump(data, f, indent=1)
 
 
-def _mib(nbytes) -> str:
+def mib(nbytes) -> str:
     return "-" if nbytes is None else f"{nbytes / MiB:.2f}"
 
 
@@ -79,7 +79,7 @@ def model_table(case: CaseResult) -> str:
     lines = [
         f"### {case.name}: {case.description}, batch {case.batch}",
         "",
-        f"Memory cap for the batch search: {_mib(case.cap_bytes)} MiB ({case.cap_source})."
+        f"Memory cap for the batch search: {mib(case.cap_bytes)} MiB ({case.cap_source})."
         if case.cap_bytes is not None else "No batch search (--probes 0).",
         "",
         f"| mode | saved MiB | peak MiB | step ms (median) | vs compile | {rate} "
@@ -90,7 +90,7 @@ def model_table(case: CaseResult) -> str:
     for r in case.modes:
         ratio = f"{r.step_s / base.step_s:.2f}" if base and r.step_s else "-"
         lines.append(
-            f"| {r.mode} | {_mib(r.saved_bytes)} | {_mib(r.peak_bytes)} "
+            f"| {r.mode} | {mib(r.saved_bytes)} | {mib(r.peak_bytes)} "
             f"| {_num(r.step_s and r.step_s * 1e3, '.1f')} | {ratio} | {_num(r.throughput, ',.0f')} "
             f"| {_num(r.max_grad_diff, '.1e')} | {_num(r.compile_s, '.1f')} | {_partitioner(r)} "
             f"| {_num(r.cap_batch, 'd')} | {_num(r.cap_throughput, ',.0f')} | {_notes(r)} |"
@@ -111,17 +111,17 @@ def ledger_table(rows: list[tuple[str, object, int | None, int | None]]) -> str:
     ]
     for mode, ledger, plan_saved, predicted in rows:
         lines.append(
-            f"| {mode} | {_mib(ledger.parameters_bytes)} | {_mib(ledger.optimizer_state_bytes)} "
-            f"| {_mib(ledger.gradients_bytes)} | {_mib(ledger.saved_activations_bytes)}{_estimate(plan_saved)} "
-            f"| {_mib(ledger.peak_bytes)}{_estimate(predicted)} | {ledger.peak_phase} "
-            f"| {_mib(ledger.gradients_at_peak)} / {_mib(ledger.saved_at_peak)} / {_mib(ledger.temporaries_at_peak)} "
-            f"| {_mib(ledger.total_at_peak)} |"
+            f"| {mode} | {mib(ledger.parameters_bytes)} | {mib(ledger.optimizer_state_bytes)} "
+            f"| {mib(ledger.gradients_bytes)} | {mib(ledger.saved_activations_bytes)}{_estimate(plan_saved)} "
+            f"| {mib(ledger.peak_bytes)}{_estimate(predicted)} | {ledger.peak_phase} "
+            f"| {mib(ledger.gradients_at_peak)} / {mib(ledger.saved_at_peak)} / {mib(ledger.temporaries_at_peak)} "
+            f"| {mib(ledger.total_at_peak)} |"
         )
     return "\n".join(lines)
 
 
 def _estimate(nbytes) -> str:
-    return "" if nbytes is None else f" ({_mib(nbytes)})"
+    return "" if nbytes is None else f" ({mib(nbytes)})"
 
 
 def sweep_table(sweep: list[CaseResult]) -> str:
@@ -136,7 +136,7 @@ def sweep_table(sweep: list[CaseResult]) -> str:
     for case in sweep:
         for r in case.modes:
             lines.append(
-                f"| {sweep_depth(case.name)} | {r.mode} | {_mib(r.saved_bytes)} | {_mib(r.peak_bytes)} "
+                f"| {sweep_depth(case.name)} | {r.mode} | {mib(r.saved_bytes)} | {mib(r.peak_bytes)} "
                 f"| {_num(r.compile_s, '.1f')} | {_partitioner(r)} | {_notes(r)} |"
             )
     return "\n".join(lines)
