@@ -134,7 +134,8 @@ def walk(facts: GraphFacts, order: list[fx.Node], kept: set[fx.Node],
     beginning and ``kept`` ones never freed. ``trace`` collects
     ``(node, live bytes, alive buffers)`` per step, for calibration."""
     order = kernel_order(facts, mm_at_its_add(order))
-    buffers = materialized(facts, order, kept)
+    kernel_local: dict[fx.Node, tuple[int, int]] = {}
+    buffers = materialized(facts, order, kept, kernel_local)
     reads = buffer_reads(facts, order, buffers)
     last_read: dict[fx.Node, int] = {}
     for step, node in enumerate(order):
@@ -146,8 +147,7 @@ def walk(facts: GraphFacts, order: list[fx.Node], kept: set[fx.Node],
             frees.setdefault(step, []).append(buffer)
     alive = set(start) - facts.free_inputs
     live = start_bytes = sum(facts.nodes[b].nbytes for b in alive)
-    curve, workspace, written, freed, alive_at = [], [], [], [], []
-    ceiling = live
+    curve, donations, workspace, written, freed, alive_at = [], [], [], [], [], []
     for step, node in enumerate(order):
         new: list[fx.Node] = []
         donated = 0
@@ -168,7 +168,7 @@ def walk(facts: GraphFacts, order: list[fx.Node], kept: set[fx.Node],
             alive.add(output)  # writes them all at once
             live += facts.nodes[output].nbytes
         curve.append(live)
-        ceiling = max(ceiling, live + donated)
+        donations.append(donated)
         workspace.append(workspace_bytes(node, facts))
         written.append(new)
         if trace is not None:
@@ -178,7 +178,8 @@ def walk(facts: GraphFacts, order: list[fx.Node], kept: set[fx.Node],
             alive.discard(buffer)
             live -= facts.nodes[buffer].nbytes
         freed.append(gone)
-    held = reuse_pool(facts, curve, written, freed, ceiling)
+    estimate = inductor_estimate(facts, order, curve, donations, freed, kernel_local, start)
+    held = reuse_pool(facts, estimate, written, freed)
     for buffer, first, last in held:
         for step in range(first, last):
             curve[step] += facts.nodes[buffer].nbytes
@@ -190,14 +191,59 @@ def walk(facts: GraphFacts, order: list[fx.Node], kept: set[fx.Node],
     return max([start_bytes, *running])
 
 
+def inductor_estimate(facts: GraphFacts, order: list[fx.Node], curve: list[int], donations: list[int],
+                      freed: list[list[fx.Node]], kernel_local: dict, start: set[fx.Node]) -> list[int]:
+    """Live bytes per step as Inductor's own estimate sees them
+    (torch/_inductor/memory.py ``estimate_peak_memory``), by which its reuse
+    pool decides. It runs on fused kernels before in-place and kernel-local
+    decisions, so, unlike ``curve``: a run of fused steps allocates all its
+    outputs before it frees any input; an in-place output counts on top of
+    the buffer it overwrites (``donations``); a kernel-local value counts
+    through its run. It does not see the graph's inputs (tangents, primals:
+    utils.is_nonfreeable_buffers). GPT-2 at 0.0: the GELU backward kernel
+    writes three 0.5 MiB buffers at once, one of them a kernel-local tanh;
+    Inductor's estimate peaks there and lets the fc's buffer wait in the
+    pool through the attention backward."""
+    run_end = _run_ends(facts, order)
+    unseen = sum(facts.nodes[b].nbytes for b in start - facts.free_inputs if b.op == "placeholder")
+    estimate, deferred = [], 0
+    for step, live in enumerate(curve):
+        estimate.append(live + donations[step] + deferred - unseen)
+        for buffer in freed[step]:
+            if buffer.op == "placeholder" and buffer in start:
+                unseen -= facts.nodes[buffer].nbytes  # gone from both
+            else:
+                deferred += facts.nodes[buffer].nbytes
+        if run_end[step] == step:
+            deferred = 0
+    for node, (first, last) in kernel_local.items():
+        for step in range(first, run_end[last] + 1):
+            estimate[step] += facts.nodes[node].nbytes
+    return estimate
+
+
+def _run_ends(facts: GraphFacts, order: list[fx.Node]) -> list[int]:
+    """Per step, the last step of its run of fused kernels (an extern kernel
+    is a run of its own)."""
+    kinds = _kinds_and_owners(facts)[0]
+    extern = [_is_extern(node, facts, kinds[node]) for node in order]
+    ends, end = [0] * len(order), len(order) - 1
+    for step in reversed(range(len(order))):
+        if extern[step]:
+            ends[step], end = step, step - 1
+        else:
+            ends[step] = end
+    return ends
+
+
 # Extern kernels Inductor calls with an ``out=`` buffer it allocates itself
 # (and so may take from its pool of freed buffers); other extern kernels
 # allocate their outputs inside.
 MATMULS = _every_overload(aten.mm, aten.addmm, aten.bmm, aten.baddbmm)
 
 
-def reuse_pool(facts: GraphFacts, curve: list[int], written: list[list[fx.Node]],
-               freed: list[list[fx.Node]], ceiling: int) -> list[tuple[fx.Node, int, int]]:
+def reuse_pool(facts: GraphFacts, estimate: list[int], written: list[list[fx.Node]],
+               freed: list[list[fx.Node]]) -> list[tuple[fx.Node, int, int]]:
     """Freed buffers Inductor keeps for a later buffer of the same size and
     dtype, as ``(buffer, first step, end step)`` spans they stay alive over.
 
@@ -215,7 +261,8 @@ def reuse_pool(facts: GraphFacts, curve: list[int], written: list[list[fx.Node]]
     in place, and the MLP's buffers freed before the attention backward are
     held for the next layer's.
     """
-    extra = [0] * len(curve)
+    ceiling = max(estimate, default=0)
+    extra = [0] * len(estimate)
     pool: dict[tuple, list[tuple[fx.Node, int]]] = {}
     spans = []
     for step, new in enumerate(written):
@@ -228,7 +275,7 @@ def reuse_pool(facts: GraphFacts, curve: list[int], written: list[list[fx.Node]]
             donor, freed_at = waiting.pop()
             size = facts.nodes[buffer].nbytes
             between = range(freed_at + 1, step)
-            if between and max(curve[k] + extra[k] for k in between) + size > ceiling:
+            if between and max(estimate[k] + extra[k] for k in between) + size > ceiling:
                 waiting.append((donor, freed_at))
                 continue
             for k in between:
@@ -417,8 +464,11 @@ def _kinds_and_owners(facts: GraphFacts) -> tuple[dict, dict]:
     return _last_graph[1]
 
 
-def materialized(facts: GraphFacts, order: list[fx.Node], kept: set[fx.Node]) -> set[fx.Node]:
-    """The nodes of ``order`` that write a buffer of their own, by Inductor's rules."""
+def materialized(facts: GraphFacts, order: list[fx.Node], kept: set[fx.Node],
+                 kernel_local: dict | None = None) -> set[fx.Node]:
+    """The nodes of ``order`` that write a buffer of their own, by Inductor's
+    rules. ``kernel_local`` collects the values realized inside one kernel
+    and dropped (``_kernel_local``), each with its span of steps."""
     in_order = set(order)
     kinds = _kinds_and_owners(facts)[0]
     position = {node: step for step, node in enumerate(order)}
@@ -439,13 +489,16 @@ def materialized(facts: GraphFacts, order: list[fx.Node], kept: set[fx.Node]) ->
         )
         users = _readers(node, in_order, kinds)
         realized = len(users) > 1 and (costly[node] or len(reads) > REALIZE_READS)
+        local = realized and _kernel_local(node, users, kinds, position, externs)
         if (
             node in kept
             or node in facts.backward_outputs
             or any(_written_reader(u, facts, kinds[u]) for u in users)
-            or (realized and not _kernel_local(node, users, kinds, position, externs))
+            or (realized and not local)
         ):
             buffers.add(node)
+        elif local and kernel_local is not None:
+            kernel_local[node] = (position[node], max(position[u] for u in users))
         if node in buffers or realized:  # readers load it as one value
             inline_reads[node], costly[node] = frozenset({node}), False
         else:
@@ -527,9 +580,8 @@ def buffer_reads(facts: GraphFacts, order: list[fx.Node], buffers: set[fx.Node])
 
 
 # Attention backward kernels accumulate the query's gradient in float32 in a
-# buffer of their own (measured on CPU: the workspace beyond the three
-# gradients is the query's size in float32 plus per-thread blocks of a few
-# KiB; FlashAttention-2 keeps the same dq accumulator on CUDA).
+# buffer of their own (FlashAttention-2's dq accumulator on CUDA). The CPU
+# kernel is modelled on its own (``_cpu_attention_workspace``).
 ATTENTION_BACKWARD = _every_overload(
     aten._scaled_dot_product_flash_attention_for_cpu_backward,
     aten._scaled_dot_product_flash_attention_backward,
@@ -554,6 +606,8 @@ CONVOLUTIONS = FORWARD_CONVOLUTIONS | _every_overload(aten.convolution_backward)
 
 def workspace_bytes(node: fx.Node, facts: GraphFacts) -> int:
     """Working memory an extern kernel allocates while it runs, beyond its outputs."""
+    if node.target in CPU_ATTENTION_BACKWARD:
+        return _cpu_attention_workspace(node)
     if node.target in ATTENTION_BACKWARD:
         query = node.args[1].meta.get("val")
         if isinstance(query, torch.Tensor):
@@ -568,6 +622,34 @@ def workspace_bytes(node: fx.Node, facts: GraphFacts) -> int:
             return copies * compat.hint_int(value.numel()) * value.element_size()
     return 0
 
+
+CPU_ATTENTION_BACKWARD = _every_overload(aten._scaled_dot_product_flash_attention_for_cpu_backward)
+
+
+def _cpu_attention_workspace(node: fx.Node) -> int:
+    """Working memory of the CPU flash-attention backward, measured against
+    aten/src/ATen/native/cpu/FlashAttentionKernel.cpp: per thread, two
+    float32 blocks (attention, its gradient) of query-split x kv-split
+    elements, and their reduced-precision copies for half types, which also
+    accumulate the query's gradient in float32; plus a copy of the output's
+    gradient unless it is laid out (batch, seq, heads, dim), as the views of
+    a matmul's output are. GPT-2 (4 x 4 x 64 x 32): 32 KiB, where the
+    query's size in float32 (128 KiB) was assumed before."""
+    grad_out, query, key = (arg.meta.get("val") for arg in node.args[:3])
+    if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (grad_out, query, key)):
+        return 0
+    q_len, kv_len = compat.hint_int(query.shape[2]), compat.hint_int(key.shape[2])
+    q_split = min(q_len, 256 if q_len >= 768 else 64 if q_len >= 192 else 32)
+    kv_split = min(kv_len, 512)
+    reduced = query.dtype in (torch.float16, torch.bfloat16)
+    per_thread = 2 * q_split * kv_split * (FLOAT32_BYTES + (query.element_size() if reduced else 0))
+    # the thread count is the machine's (the same on every rank of a job)
+    workspace = torch.get_num_threads() * per_thread
+    if reduced:
+        workspace += compat.hint_int(query.numel()) * FLOAT32_BYTES
+    if not grad_out.transpose(1, 2).is_contiguous():
+        workspace += compat.hint_int(grad_out.numel()) * grad_out.element_size()
+    return workspace
 
 
 def _op_name(node: fx.Node) -> str:

@@ -2,12 +2,15 @@
 and the predicted forward and backward peaks, byte for byte."""
 from types import SimpleNamespace
 
+import pytest
 import torch
 from conftest import aot_partition
 
+from bench.measure import peak_cpu_bytes
 from partitioners.ops import OpCategory
 from partitioners.peak import (
-    backward_schedule, estimate_step_peak, materialized, mm_at_its_add, reuse_pool, workspace_bytes,
+    backward_schedule, estimate_step_peak, inductor_estimate, materialized, mm_at_its_add, reuse_pool,
+    workspace_bytes,
 )
 
 N = 64 * 64 * 4  # bytes of one 64x64 float32 value
@@ -181,9 +184,75 @@ def test_a_freed_buffer_waits_in_inductors_pool_for_one_of_its_size():
     # a is freed after step 0 and d of the same size is written at step 3:
     # Inductor hands a's memory to d, holding it over steps 1 and 2, when
     # that stays under its estimate of the graph's peak (30).
-    assert reuse_pool(facts, [10, 10, 10, 30], ceiling=30, **steps) == [(a, 1, 3)]
+    assert reuse_pool(facts, [10, 10, 10, 30], **steps) == [(a, 1, 3)]
     # Not when holding it would raise that peak (20 + 10 > 20).
-    assert reuse_pool(facts, [10, 20, 10, 20], ceiling=20, **steps) == []
+    assert reuse_pool(facts, [10, 20, 10, 20], **steps) == []
     # b's size is not d's; c takes b, the most recently freed of its size.
-    spans = reuse_pool(facts, [10, 10, 10, 40], written=[[a], [b], [c], [d]], freed=[[a], [b], [], []], ceiling=40)
+    spans = reuse_pool(facts, [10, 10, 10, 40], written=[[a], [b], [c], [d]], freed=[[a], [b], [], []])
     assert spans == [(b, 2, 2), (a, 1, 3)]
+
+
+@pytest.mark.parametrize("seq, heads, grad_layout", [(64, 4, "blhd"), (200, 2, "blhd"), (64, 4, "bhld")])
+def test_cpu_attention_backward_workspace_is_what_the_kernel_allocates(seq, heads, grad_layout):
+    """The model's workspace for the CPU flash-attention backward against the
+    kernel's own allocations (profiler), beyond its three gradients; a
+    gradient of the output in (batch, heads, seq, dim) layout is copied."""
+    aten = torch.ops.aten
+    batch, dim = 2, 32
+
+    def blhd():
+        return torch.randn(batch, seq, heads, dim).transpose(1, 2)
+
+    q, k, v = blhd(), blhd(), blhd()
+    out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, scale=0.2)[:2]
+    grad = blhd() if grad_layout == "blhd" else torch.randn(batch, heads, seq, dim)
+    grads = []
+    measured = peak_cpu_bytes(lambda: grads.extend(
+        aten._scaled_dot_product_flash_attention_for_cpu_backward(grad, q, k, v, out, lse, 0.0, False, scale=0.2)))
+    beyond_gradients = measured - sum(g.numel() * g.element_size() for g in grads)
+
+    graph = torch.fx.Graph()
+    args = [graph.placeholder(name) for name in ("grad", "q", "k", "v", "out", "lse")]
+    for arg, value in zip(args, (grad, q, k, v, out, lse)):
+        arg.meta["val"] = value
+    node = graph.call_function(
+        aten._scaled_dot_product_flash_attention_for_cpu_backward.default, (*args, 0.0, False))
+    predicted = workspace_bytes(node, facts=None)
+    # the kernel also keeps a few float32 row sums per thread (under 2 KiB)
+    assert 0 <= beyond_gradients - predicted < 2048
+
+
+def _run_graph():
+    """x (an input, 8 bytes) -> pointwise a, b, c (10 bytes each) -> mm m (20)."""
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    a = graph.call_function(torch.ops.aten.sin.default, (x,), name="a")
+    b = graph.call_function(torch.ops.aten.cos.default, (a,), name="b")
+    c = graph.call_function(torch.ops.aten.sin.default, (b,), name="c")
+    m = graph.call_function(torch.ops.aten.mm.default, (c, c), name="m")
+    for node in (x, a, b, c, m):
+        node.meta["val"] = torch.empty(4)
+    sizes = {x: 8, a: 10, b: 10, c: 10, m: 20}
+    categories = {x: OpCategory.INPUT, m: OpCategory.COMPUTE}
+    facts = SimpleNamespace(
+        nodes={n: SimpleNamespace(nbytes=sizes[n], category=categories.get(n, OpCategory.POINTWISE))
+               for n in sizes},
+        free_inputs=set(),
+    )
+    return facts, (x, a, b, c, m)
+
+
+def test_inductors_estimate_frees_a_fused_runs_inputs_at_its_end_and_skips_inputs():
+    facts, (x, a, b, c, m) = _run_graph()
+    order = [a, b, c, m]
+    # What the walk counts: x alive until a reads it; each value freed by its reader.
+    curve = [8 + 10, 10 + 10, 10 + 10, 10 + 20]
+    freed = [[x], [a], [b], [c]]
+    estimate = inductor_estimate(facts, order, curve, [0] * 4, freed, {}, start={x})
+    # Inductor: x is not counted; a, b, c fuse into one kernel that frees
+    # a and b only when it ends (step 2); the mm is a kernel of its own.
+    assert estimate == [10, 20, 30, 30]
+    # An in-place output counts on top of its donor; a kernel-local value
+    # counts through the end of its run.
+    estimate = inductor_estimate(facts, order, curve, [0, 10, 0, 0], freed, {b: (1, 1)}, start={x})
+    assert estimate == [10, 40, 40, 30]
