@@ -138,6 +138,7 @@ def walk(facts: GraphFacts, order: list[fx.Node], kept: set[fx.Node],
     reads = buffer_reads(facts, order, buffers)
     copies = copy_steps(facts, order, buffers)
     copied = {copy for written in copies.values() for copy in written}
+    relaid = relaid_contiguous(facts, order, kept)
     last_read: dict[fx.Node, int] = {}
     for step, node in enumerate(order):
         for buffer in reads.get(node, ()) if node not in copied else ():
@@ -160,7 +161,7 @@ def walk(facts: GraphFacts, order: list[fx.Node], kept: set[fx.Node],
             alive.add(copy)  # Inductor's channels-last copy of an input
             live += facts.nodes[copy].nbytes
         if node in buffers and node not in alive and node not in copied:
-            donor = _in_place_donor(node, reads.get(node, ()), step, last_read, alive, kept, facts)
+            donor = _in_place_donor(node, reads.get(node, ()), step, last_read, alive, kept, relaid, facts)
             if donor is not None:  # the kernel writes into a buffer it reads for the last time
                 alive.discard(donor)
                 live -= facts.nodes[donor].nbytes
@@ -310,10 +311,15 @@ def _tuple_outputs(node: fx.Node, buffers: set[fx.Node]) -> set[fx.Node]:
     return {user for user in node.users if user.target is operator.getitem and user in buffers}
 
 
-def _in_place_donor(node, reads, step, last_read, alive, kept, facts) -> fx.Node | None:
+def _in_place_donor(node, reads, step, last_read, alive, kept, relaid, facts) -> fx.Node | None:
     """A buffer a pointwise kernel may overwrite with its output: read for the
     last time by this kernel, not kept, of the same size (Inductor's in-place
-    buffer reuse; in backward, saved values are donated buffers)."""
+    buffer reuse; in backward, saved values are donated buffers), and laid
+    out as the output: Inductor overwrites a buffer only where the kernel
+    reads it at the index it writes (scheduler.py ``SchedulerNode.can_inplace``:
+    ``read_dep.index == write_dep.index``), which fails when one of the two
+    is written contiguous where eager's strides were not (``relaid``, from
+    ``relaid_contiguous``)."""
     if _kinds_and_owners(facts)[0][node] != INLINE:
         return None
     size = facts.nodes[node].nbytes
@@ -321,6 +327,7 @@ def _in_place_donor(node, reads, step, last_read, alive, kept, facts) -> fx.Node
         if (
             buffer in alive and buffer not in kept and last_read.get(buffer) == step
             and facts.nodes[buffer].nbytes == size and buffer not in facts.inputs
+            and (buffer in relaid) == (node in relaid)
         ):
             return buffer
     return None

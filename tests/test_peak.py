@@ -7,7 +7,7 @@ from conftest import aot_partition
 
 from partitioners.ops import OpCategory
 from partitioners.peak import (
-    backward_schedule, copied_views, estimate_step_peak, materialized, mm_at_its_add, reuse_pool,
+    backward_schedule, copied_views, estimate_step_peak, materialized, mm_at_its_add, reuse_pool, walk,
     workspace_bytes,
 )
 
@@ -219,3 +219,10 @@ def test_a_view_inductor_cannot_reinterpret_is_copied_for_a_matmul():
     # A value the graph returns keeps eager's strides: no copy.
     assert copied_views(facts, order, kept={g}) == set()
 
+
+def test_a_copied_view_is_written_with_its_base_which_cannot_overwrite_the_matmul():
+    facts, order, by_name, view = _relaid_einsum_graph()
+    size = 4 * 8 * 2 * 16 * 4  # mm, g and g's copy: one size
+    # g reads mm in eager's order but writes its own: not in place. The
+    # kernel writing g writes the copy too, while mm is still alive.
+    assert walk(facts, order, kept=set()) == 3 * size
