@@ -537,14 +537,28 @@ def copy_steps(facts: GraphFacts, order: list[fx.Node], buffers: set[fx.Node]) -
 
 def relaid_contiguous(facts: GraphFacts, order: list[fx.Node], kept: set[fx.Node]) -> set[fx.Node]:
     """The values of ``order`` Inductor writes contiguous where eager's
-    strides were not: a value a fused kernel writes gets a ``FlexibleLayout``,
-    frozen contiguous (``Buffer.freeze_layout``), unless the graph returns it
-    (GraphLowering.run_node requires eager's strides of outputs: ``kept``)
-    or eager's layout was channels-last, which Inductor keeps
-    (``convert_to_reinterpret_view``). Inputs, saved values and extern
-    kernels' outputs keep eager's strides."""
+    strides were not. A value a fused kernel writes gets a ``FlexibleLayout``,
+    which the scheduler orders as the kernel reads its inputs
+    (``ComputedBuffer.decide_layout``, ``get_fill_order``: eager's strides,
+    near enough), unless it is frozen first: an extern kernel reading a view
+    of it freezes it contiguous (``realize_input``, then
+    ``convert_to_reinterpret_view``: ``freeze_layout``), or channels-last
+    where eager's layout was. Values the graph returns are fixed to eager's
+    strides before that (GraphLowering.run_node requires them of outputs:
+    ``kept``); inputs, saved values and extern kernels' outputs keep eager's
+    strides."""
+    kinds = _kinds_and_owners(facts)[0]
     strided = _graph_layouts(facts)[0]
-    return {node for node in order if node in strided and node not in kept}
+    in_order = set(order)
+    relaid = set()
+    for reader in order:
+        if _is_extern(reader, facts, kinds[reader]):
+            for arg in reader.all_input_nodes:
+                if kinds[arg] == ALIAS:
+                    base = _view_chain(arg, facts)[-1]
+                    if base in strided and base in in_order and base not in kept:
+                        relaid.add(base)
+    return relaid
 
 
 def _view_chain(node: fx.Node, facts: GraphFacts) -> list[fx.Node]:
