@@ -22,7 +22,9 @@ cannot fuse) reads it, it leaves the graph (saved, a gradient, an output), or
 Inductor realizes it for reuse: read by more than one kernel and either
 containing an op that is costly to repeat on CPU (exp, log, tanh...) or
 reading more than ``REALIZE_READS`` buffers. Reductions, scatters and
-concatenations always write a buffer. Extern kernels that allocate working
+concatenations always write a buffer. An extern kernel reading a view that
+Inductor cannot express as strides over its base's layout reads a copy of
+its own (``copied_views``). Extern kernels that allocate working
 memory of their own (attention backward) add it while they run
 (``workspace_bytes``).
 
