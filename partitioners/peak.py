@@ -22,7 +22,9 @@ cannot fuse) reads it, it leaves the graph (saved, a gradient, an output), or
 Inductor realizes it for reuse: read by more than one kernel and either
 containing an op that is costly to repeat on CPU (exp, log, tanh...) or
 reading more than ``REALIZE_READS`` buffers. Reductions, scatters and
-concatenations always write a buffer. Extern kernels that allocate working
+concatenations always write a buffer. An extern kernel reading a view that
+Inductor cannot express as strides over its base's layout reads a copy of
+its own (``copied_views``). Extern kernels that allocate working
 memory of their own (attention backward) add it while they run
 (``workspace_bytes``).
 
@@ -137,10 +139,16 @@ def walk(facts: GraphFacts, order: list[fx.Node], kept: set[fx.Node],
     kernel_local: dict[fx.Node, tuple[int, int]] = {}
     buffers = materialized(facts, order, kept, kernel_local)
     reads = buffer_reads(facts, order, buffers)
+    copies = copy_steps(facts, order, buffers)
+    copied = {copy for written in copies.values() for copy in written}
+    relaid = relaid_contiguous(facts, order, kept)
     last_read: dict[fx.Node, int] = {}
     for step, node in enumerate(order):
-        for buffer in reads.get(node, ()):
+        for buffer in reads.get(node, ()) if node not in copied else ():
             last_read[buffer] = step
+        for copy in copies.get(step, ()):  # a copy reads its base where it is written
+            for buffer in reads[copy]:
+                last_read[buffer] = max(last_read.get(buffer, step), step)
     frees: dict[int, list[fx.Node]] = {}
     for buffer, step in last_read.items():
         if buffer not in kept:
@@ -154,8 +162,8 @@ def walk(facts: GraphFacts, order: list[fx.Node], kept: set[fx.Node],
         for copy in reads.get(node, set()) & facts.relaid_inputs - alive:
             alive.add(copy)  # Inductor's channels-last copy of an input
             live += facts.nodes[copy].nbytes
-        if node in buffers and node not in alive:
-            donor = _in_place_donor(node, reads.get(node, ()), step, last_read, alive, kept, facts)
+        if node in buffers and node not in alive and node not in copied:
+            donor = _in_place_donor(node, reads.get(node, ()), step, last_read, alive, kept, relaid, facts)
             if donor is not None:  # the kernel writes into a buffer it reads for the last time
                 alive.discard(donor)
                 live -= facts.nodes[donor].nbytes
@@ -167,6 +175,11 @@ def walk(facts: GraphFacts, order: list[fx.Node], kept: set[fx.Node],
         for output in _tuple_outputs(node, buffers) - alive:  # a kernel with several outputs
             alive.add(output)  # writes them all at once
             live += facts.nodes[output].nbytes
+        for copy in copies.get(step, ()):  # a copied view, written by the step's kernel
+            if copy not in alive:
+                new.append(copy)
+                alive.add(copy)
+                live += facts.nodes[copy].nbytes
         curve.append(live)
         donations.append(donated)
         workspace.append(workspace_bytes(node, facts))
@@ -288,7 +301,8 @@ def reuse_pool(facts: GraphFacts, estimate: list[int], written: list[list[fx.Nod
 
 
 def _allocated_by_inductor(node: fx.Node, facts: GraphFacts) -> bool:
-    return facts.nodes[node].category in FUSED or node.target in MATMULS
+    copy = _kinds_and_owners(facts)[0][node] == ALIAS  # a view's copy (copied_views)
+    return copy or facts.nodes[node].category in FUSED or node.target in MATMULS
 
 
 def _reuse_key(node: fx.Node, facts: GraphFacts) -> tuple:
@@ -346,10 +360,15 @@ def _tuple_outputs(node: fx.Node, buffers: set[fx.Node]) -> set[fx.Node]:
     return {user for user in node.users if user.target is operator.getitem and user in buffers}
 
 
-def _in_place_donor(node, reads, step, last_read, alive, kept, facts) -> fx.Node | None:
+def _in_place_donor(node, reads, step, last_read, alive, kept, relaid, facts) -> fx.Node | None:
     """A buffer a pointwise kernel may overwrite with its output: read for the
     last time by this kernel, not kept, of the same size (Inductor's in-place
-    buffer reuse; in backward, saved values are donated buffers)."""
+    buffer reuse; in backward, saved values are donated buffers), and laid
+    out as the output: Inductor overwrites a buffer only where the kernel
+    reads it at the index it writes (scheduler.py ``SchedulerNode.can_inplace``:
+    ``read_dep.index == write_dep.index``), which fails when one of the two
+    is written contiguous where eager's strides were not (``relaid``, from
+    ``relaid_contiguous``)."""
     if _kinds_and_owners(facts)[0][node] != INLINE:
         return None
     size = facts.nodes[node].nbytes
@@ -357,6 +376,7 @@ def _in_place_donor(node, reads, step, last_read, alive, kept, facts) -> fx.Node
         if (
             buffer in alive and buffer not in kept and last_read.get(buffer) == step
             and facts.nodes[buffer].nbytes == size and buffer not in facts.inputs
+            and (buffer in relaid) == (node in relaid)
         ):
             return buffer
     return None
@@ -503,7 +523,178 @@ def materialized(facts: GraphFacts, order: list[fx.Node], kept: set[fx.Node],
             inline_reads[node], costly[node] = frozenset({node}), False
         else:
             inline_reads[node] = reads
-    return buffers
+    return buffers | copied_views(facts, order, kept)
+
+
+def copied_views(facts: GraphFacts, order: list[fx.Node], kept: set[fx.Node]) -> set[fx.Node]:
+    """Views an extern kernel of ``order`` reads that Inductor copies into a
+    buffer of their own (the view node stands for the copy, alive until the
+    extern kernels reading it have run).
+
+    An extern kernel's inputs go through ``ExternKernel.realize_input``
+    (torch/_inductor/ir.py; ``mm_args`` calls it for matmuls, ``process_kernel``
+    for fallback kernels): a view's base is realized and the view becomes a
+    ``ReinterpretView`` if ``convert_to_reinterpret_view`` can write it as
+    strides over the base's layout, else ``copy_input`` writes it to a new
+    buffer. A base Inductor computes in this graph and does not return gets
+    a flexible layout, frozen contiguous (``freeze_layout``), not the strides
+    eager gave it, so a view that merges dimensions a permute had separated
+    is no longer a reinterpretation. Seen on the bench's MoE: ``silu(gate) *
+    up`` has the einsum's (b, t, e, h) memory order in eager, Inductor writes
+    it (b, e, t, h), and the down projection's bmm reads a second, copied
+    buffer of it. Returned values keep eager's strides (GraphLowering.run_node
+    requires them of outputs), and so do inputs and extern kernels' outputs.
+    """
+    kinds = _kinds_and_owners(facts)[0]
+    relaid = relaid_contiguous(facts, order, kept)
+    copies = set()
+    if not relaid:
+        return copies
+    for reader in order:
+        if not _is_extern(reader, facts, kinds[reader]):
+            continue
+        for arg in reader.all_input_nodes:
+            if kinds[arg] == ALIAS and arg not in copies and _view_chain(arg, facts)[-1] in relaid \
+                    and not _reinterpretable(arg, facts):
+                copies.add(arg)
+    return copies
+
+
+def copy_steps(facts: GraphFacts, order: list[fx.Node], buffers: set[fx.Node]) -> dict[int, list[fx.Node]]:
+    """The steps of ``order`` that write the copied views among ``buffers``.
+
+    A copy is a pointwise node the scheduler fuses into the last fused
+    kernel before the extern kernel that reads it (when there is one after
+    the previous extern kernel): that kernel's inputs are still alive while
+    it writes the copy. Seen in Inductor's code for the bench's MoE: in
+    forward, the kernel writing ``silu(gate) * up`` writes its copy too,
+    while both projections are alive; in backward, the transposed copy the
+    down weight's gradient reads is written by the router's softmax
+    backward kernel just before that bmm, not with its base."""
+    kinds = _kinds_and_owners(facts)[0]
+    copies = {n for n in buffers if kinds[n] == ALIAS}
+    result: dict[int, list[fx.Node]] = {}
+    if not copies:
+        return result
+    fused_write = None
+    for step, node in enumerate(order):
+        kind = kinds[node]
+        if _is_extern(node, facts, kind):
+            for arg in node.all_input_nodes:
+                if arg in copies:
+                    copies.discard(arg)
+                    result.setdefault(step if fused_write is None else fused_write, []).append(arg)
+            fused_write = None
+        elif node in buffers and kind != ALIAS and facts.nodes[node].category in FUSED:
+            fused_write = step
+    return result
+
+
+def relaid_contiguous(facts: GraphFacts, order: list[fx.Node], kept: set[fx.Node]) -> set[fx.Node]:
+    """The values of ``order`` Inductor writes contiguous where eager's
+    strides were not. A value a fused kernel writes gets a ``FlexibleLayout``,
+    which the scheduler orders as the kernel reads its inputs
+    (``ComputedBuffer.decide_layout``, ``get_fill_order``: eager's strides,
+    near enough), unless it is frozen first: an extern kernel reading a view
+    of it freezes it contiguous (``realize_input``, then
+    ``convert_to_reinterpret_view``: ``freeze_layout``), or channels-last
+    where eager's layout was. Values the graph returns are fixed to eager's
+    strides before that (GraphLowering.run_node requires them of outputs:
+    ``kept``); inputs, saved values and extern kernels' outputs keep eager's
+    strides."""
+    kinds = _kinds_and_owners(facts)[0]
+    strided = _graph_layouts(facts)[0]
+    in_order = set(order)
+    relaid = set()
+    for reader in order:
+        if _is_extern(reader, facts, kinds[reader]):
+            for arg in reader.all_input_nodes:
+                if kinds[arg] == ALIAS:
+                    base = _view_chain(arg, facts)[-1]
+                    if base in strided and base in in_order and base not in kept:
+                        relaid.add(base)
+    return relaid
+
+
+def _view_chain(node: fx.Node, facts: GraphFacts) -> list[fx.Node]:
+    """``node``, the views it is a view of, and last the value they view
+    (a ``split`` and its elements are views too)."""
+    kinds = _kinds_and_owners(facts)[0]
+    chain = [node]
+    while kinds[node] == ALIAS or (node.op == "call_function" and facts.nodes[node].category is OpCategory.VIEW):
+        node = node.args[0]
+        chain.append(node)
+    return chain
+
+
+def _eager_strided(node: fx.Node, facts: GraphFacts) -> bool:
+    """A value a fused kernel writes whose eager strides are neither
+    contiguous nor channels-last."""
+    value = node.meta.get("val")
+    if node.op == "placeholder" or facts.nodes[node].category not in FUSED or not isinstance(value, torch.Tensor):
+        return False
+    if value.dim() in CHANNELS_LAST and value.is_contiguous(memory_format=CHANNELS_LAST[value.dim()]):
+        return False
+    return not _contiguous(value)
+
+
+def _contiguous(value: torch.Tensor) -> bool:
+    return tuple(value.stride()) == tuple(_contiguous_strides(value.shape)) or value.numel() <= 1
+
+
+def _contiguous_strides(shape) -> list[int]:
+    strides, step = [], 1
+    for size in reversed([compat.hint_int(s) for s in shape]):
+        strides.append(step)
+        step *= max(size, 1)
+    return strides[::-1]
+
+
+CHANNELS_LAST = {4: torch.channels_last, 5: torch.channels_last_3d}
+
+# The nodes _eager_strided holds for, and whether a view stays a view over
+# its base laid out contiguous (per view node, filled on demand): both
+# depend on the graph alone (one slot, as _last_graph).
+_last_layouts: list = [None, None]
+
+
+def _graph_layouts(facts: GraphFacts) -> tuple[frozenset, dict]:
+    if _last_layouts[0] is not facts:
+        strided = frozenset(node for node in facts.nodes if _eager_strided(node, facts))
+        _last_layouts[:] = [facts, (strided, {})]
+    return _last_layouts[1]
+
+
+def _reinterpretable(view: fx.Node, facts: GraphFacts) -> bool:
+    """Whether ``view`` can be written as strides over its base laid out
+    contiguous: its chain of view ops replayed on such a meta tensor, where
+    ``view`` raises as ``_compute_stride`` (which Inductor's ``View.create``
+    uses) finds no strides."""
+    cache = _graph_layouts(facts)[1]
+    if view not in cache:
+        cache[view] = _replay(_view_chain(view, facts))
+    return cache[view]
+
+
+def _replay(chain: list[fx.Node]) -> bool:
+    base = chain[-1].meta["val"]
+    shape = [compat.hint_int(s) for s in base.shape]
+    current = torch.empty_strided(shape, _contiguous_strides(shape), dtype=base.dtype, device="meta")
+    for node in reversed(chain[:-1]):
+        args = [current if i == 0 else _concrete(a) for i, a in enumerate(node.args)]
+        try:
+            current = node.target(*args, **{k: _concrete(v) for k, v in node.kwargs.items()})
+        except (RuntimeError, ValueError):  # view(): "Cannot view a tensor with shape ... and strides ..."
+            return False
+    return True
+
+
+def _concrete(value):
+    if isinstance(value, (list, tuple)):
+        return type(value)(_concrete(v) for v in value)
+    if isinstance(value, torch.SymInt):
+        return compat.hint_int(value)
+    return value
 
 
 def _kernel_local(node: fx.Node, users: list[fx.Node], kinds: dict, position: dict, externs: list) -> bool:
@@ -562,12 +753,20 @@ def buffer_reads(facts: GraphFacts, order: list[fx.Node], buffers: set[fx.Node])
             found = itself.get(arg) or itself.setdefault(arg, frozenset({owners[arg]}))
         return found
 
+    # A copied view (``copied_views``) is read as itself by the extern kernels
+    # it was copied for; other readers index its base, as for any view.
+    copies = {node for node in buffers if kinds[node] == ALIAS}
     reads: dict[fx.Node, set[fx.Node]] = {}
     for node in order:
         args = node.all_input_nodes
         # (the budget search walks each graph many times: skip the union for one input)
         arg_sources = source(args[0]) if len(args) == 1 else frozenset().union(*map(source, args))
-        if node in buffers:
+        if copies and not copies.isdisjoint(args) and _is_extern(node, facts, kinds[node]):
+            arg_sources = frozenset().union(*(frozenset({a}) if a in copies else source(a) for a in args))
+        if node in copies:
+            sources[node] = source(owners[node])
+            reads[node] = set(arg_sources)
+        elif node in buffers:
             sources[node] = frozenset({node})
             reads[node] = set(arg_sources)
         elif kinds[node] == ALIAS:

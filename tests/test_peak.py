@@ -9,8 +9,8 @@ from conftest import aot_partition
 from bench.measure import peak_cpu_bytes
 from partitioners.ops import OpCategory
 from partitioners.peak import (
-    backward_schedule, estimate_step_peak, inductor_estimate, materialized, mm_at_its_add, reuse_pool,
-    workspace_bytes,
+    backward_schedule, copied_views, estimate_step_peak, inductor_estimate, materialized, mm_at_its_add,
+    reuse_pool, walk, workspace_bytes,
 )
 
 N = 64 * 64 * 4  # bytes of one 64x64 float32 value
@@ -256,3 +256,41 @@ def test_inductors_estimate_frees_a_fused_runs_inputs_at_its_end_and_skips_input
     # counts through the end of its run.
     estimate = inductor_estimate(facts, order, curve, [0, 10, 0, 0], freed, {b: (1, 1)}, start={x})
     assert estimate == [10, 40, 40, 30]
+
+
+def _relaid_einsum_graph():
+    """``silu``-like ``g`` of a matmul's output seen as (b, e, t, h): eager
+    keeps the matmul's (b, t, e, h) memory order, so merging b and t after
+    moving e first is a view; Inductor writes ``g`` contiguous, where it is not."""
+    b, t, e, h = 4, 8, 2, 16
+
+    def f(x, w_in, w_out):
+        u = (x @ w_in).view(b, t, e, h).permute(0, 2, 1, 3)
+        g = torch.sigmoid(u) * u
+        return torch.bmm(g.permute(1, 0, 2, 3).reshape(e, b * t, h), w_out).sum()
+
+    result, _ = aot_partition(f, leaf(b * t, 8), leaf(8, e * h), leaf(e, h, 8))
+    facts = result.facts
+    order = [n for n in facts.nodes if n in facts.forward]
+    by_name = {n.name: n for n in order}
+    (matmul_input,) = [n.args[0] for n in order if n.target is torch.ops.aten.bmm.default]
+    return facts, order, by_name, matmul_input
+
+
+def test_a_view_inductor_cannot_reinterpret_is_copied_for_a_matmul():
+    facts, order, by_name, view = _relaid_einsum_graph()
+    g = by_name["mul"]
+    assert view.target is torch.ops.aten.view.default
+    # Written contiguous, g cannot be viewed so: the bmm reads a copy.
+    assert copied_views(facts, order, kept=set()) == {view}
+    assert view in materialized(facts, order, kept=set())
+    # A value the graph returns keeps eager's strides: no copy.
+    assert copied_views(facts, order, kept={g}) == set()
+
+
+def test_a_copied_view_is_written_with_its_base_which_cannot_overwrite_the_matmul():
+    facts, order, by_name, view = _relaid_einsum_graph()
+    size = 4 * 8 * 2 * 16 * 4  # mm, g and g's copy: one size
+    # g reads mm in eager's order but writes its own: not in place. The
+    # kernel writing g writes the copy too, while mm is still alive.
+    assert walk(facts, order, kept=set()) == 3 * size
