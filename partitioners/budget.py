@@ -38,7 +38,7 @@ from .classify import GraphFacts, activation_bytes, read_by_backward, recomputed
 from .config import ConfigError, MemoryBudget
 from .cost import DeviceProfile, estimate_runtime_s
 from .peak import PeakEstimate, estimate_step_peak
-from .mincut import build_flow_graph, byte_scale, solve
+from .mincut import FlowGraph, build_flow_graph, byte_scale, solve
 from .ops import OpCategory
 
 # Heavy ops a budget may recompute. UNKNOWN ops stay saved: nothing says
@@ -102,7 +102,8 @@ def solve_with_budget(
     (``resolve_peak_target`` turns ``peak:auto`` into bytes).
     """
     start = time.perf_counter()
-    saved = _min_cut(facts)
+    flow = build_flow_graph(facts)  # once: the search's cuts differ in terminal edges only
+    saved = _min_cut(flow)
     peak = estimate_step_peak(facts, saved)
     optimal = BudgetSolution(
         saved=tuple(saved),
@@ -113,7 +114,7 @@ def solve_with_budget(
         peak=peak,
     )
     if budget is not None and budget.is_peak:
-        return _solve_for_peak(facts, budget, profile, optimal, peak_target, start)
+        return _solve_for_peak(flow, budget, profile, optimal, peak_target, start)
     target = _target_bytes(budget, optimal.saved_bytes)
     if target >= optimal.saved_bytes:  # no budget, or one the fastest plan fits
         return dataclasses.replace(
@@ -122,7 +123,7 @@ def solve_with_budget(
             optimal_bytes=optimal.saved_bytes,
             solve_time_s=time.perf_counter() - start,
         )
-    search = _Search(facts, profile)
+    search = _Search(flow, profile)
     floor = search.lowest_peak(optimal) if budget.fraction is not None else None
     if floor is not None and target <= floor.saved_bytes:
         note = _floor_note(budget, floor, search.lowest_peak_saving_less(floor.saved_bytes))
@@ -144,7 +145,7 @@ def solve_with_budget(
     )
 
 
-def _solve_for_peak(facts, budget, profile, optimal: BudgetSolution, target: int | None, start: float):
+def _solve_for_peak(flow: FlowGraph, budget, profile, optimal: BudgetSolution, target: int | None, start: float):
     """The fastest plan whose predicted step peak fits ``target``; if none
     does, the plan of lowest predicted peak, with a warning."""
     if target is None:
@@ -152,7 +153,7 @@ def _solve_for_peak(facts, budget, profile, optimal: BudgetSolution, target: int
     planned = int(target * (1 - PEAK_MODEL_MARGIN))
     solution, cuts = optimal, 1
     if optimal.estimated_peak_bytes > planned:
-        search = _Search(facts, profile)
+        search = _Search(flow, profile)
         solution = search.fastest_under_peak(planned, optimal)
         if solution is None:
             solution = dataclasses.replace(search.lowest_peak(optimal), fits=False)
@@ -350,8 +351,9 @@ def pick_boundaries(facts: GraphFacts, spine: list[fx.Node], count: int) -> list
 class _Search:
     """Min cuts over boundary families and recompute rates, counted."""
 
-    def __init__(self, facts: GraphFacts, profile: DeviceProfile):
-        self.facts = facts
+    def __init__(self, flow: FlowGraph, profile: DeviceProfile):
+        self.flow = flow
+        self.facts = facts = flow.facts
         self.cuts = 0
         self.spine = spine_values(facts)
         self._families: list[BudgetSolution] = []
@@ -515,7 +517,7 @@ class _Search:
             for node, seconds in self.runtime.items()
             if node not in keep
         }
-        saved = _min_cut(self.facts, price, boundaries)
+        saved = _min_cut(self.flow, price, boundaries)
         recomputed = frozenset(recomputed_nodes(self.facts, set(saved)) & self.runtime.keys())
         peak = estimate_step_peak(self.facts, saved)
         return BudgetSolution(
@@ -532,9 +534,9 @@ class _Search:
         )
 
 
-def _min_cut(facts: GraphFacts, price=None, boundaries=()) -> list[fx.Node]:
+def _min_cut(flow: FlowGraph, price=None, boundaries=()) -> list[fx.Node]:
     """The saved set of the minimum cut, less values backward never reads."""
-    return read_by_backward(facts, solve(build_flow_graph(facts, price, boundaries)))
+    return read_by_backward(flow.facts, solve(flow, price, boundaries))
 
 
 def _by_peak(solution: BudgetSolution) -> tuple[int, float, int]:
