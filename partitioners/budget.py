@@ -28,6 +28,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import itertools
+import math
 import time
 import warnings
 
@@ -530,7 +531,10 @@ class _Search:
             priced_recomputed=recomputed,
             estimated_peak_bytes=peak.step_bytes,
             peak=peak,
-            recompute_time_s=sum(self.runtime[node] for node in recomputed),
+            # fsum: exact, so sets of ops of equal runtimes tie exactly whatever
+            # the set's order (a plain sum's rounding broke ties differently
+            # from run to run: which of the identical layers to recompute).
+            recompute_time_s=math.fsum(self.runtime[node] for node in recomputed),
         )
 
 
