@@ -156,6 +156,7 @@ def walk(facts: GraphFacts, order: list[fx.Node], kept: set[fx.Node],
     alive = set(start) - facts.free_inputs
     live = start_bytes = sum(facts.nodes[b].nbytes for b in alive)
     curve, donations, workspace, written, freed, alive_at = [], [], [], [], [], []
+    workspaces = _lowered(facts)[3]
     for step, node in enumerate(order):
         new: list[fx.Node] = []
         donated = 0
@@ -182,7 +183,7 @@ def walk(facts: GraphFacts, order: list[fx.Node], kept: set[fx.Node],
                 live += facts.nodes[copy].nbytes
         curve.append(live)
         donations.append(donated)
-        workspace.append(workspace_bytes(node, facts))
+        workspace.append(workspaces.get(node, 0))
         written.append(new)
         if trace is not None:
             alive_at.append(frozenset(alive))
@@ -421,7 +422,12 @@ def _waiting_ancestors(node: fx.Node, waiting: set[fx.Node]) -> set[fx.Node]:
     return needed
 
 
-def _is_extern(node: fx.Node, facts: GraphFacts, kind: str) -> bool:
+def _is_extern(node: fx.Node, facts: GraphFacts, kind: str | None = None) -> bool:
+    """Whether ``node`` runs as an extern kernel (looked up: ``_lowered``)."""
+    return node in _lowered(facts)[2]
+
+
+def _runs_extern(node: fx.Node, facts: GraphFacts, kind: str) -> bool:
     category = facts.nodes[node].category
     if node.target is operator.getitem:
         category = facts.nodes[node.args[0]].category
@@ -470,18 +476,27 @@ def _owner(node: fx.Node, facts: GraphFacts, kinds: dict) -> fx.Node:
     return node
 
 
-# Kinds and owners depend on the graph alone, not on the saved set: the
-# budget search asks for many saved sets of one graph, so the last graph's
-# are kept (one slot, compared by identity).
+# Kinds, owners, extern kernels and workspaces depend on the graph alone,
+# not on the saved set: the budget search asks for many saved sets of one
+# graph, so the last graph's are kept (one slot, compared by identity).
 _last_graph: list = [None, None]
 
 
-def _kinds_and_owners(facts: GraphFacts) -> tuple[dict, dict]:
+def _lowered(facts: GraphFacts) -> tuple[dict, dict, frozenset, dict]:
+    """Per node of the graph: its kind, its owner; the extern kernels; the
+    workspace bytes of those that have some."""
     if _last_graph[0] is not facts:
         kinds = {node: value_kind(node, facts) for node in facts.nodes}
         owners = {node: _owner(node, facts, kinds) for node in facts.nodes}
-        _last_graph[:] = [facts, (kinds, owners)]
+        externs = frozenset(node for node in facts.nodes if _runs_extern(node, facts, kinds[node]))
+        workspaces = {node: workspace_bytes(node, facts) for node in externs}
+        workspaces = {node: nbytes for node, nbytes in workspaces.items() if nbytes}
+        _last_graph[:] = [facts, (kinds, owners, externs, workspaces)]
     return _last_graph[1]
+
+
+def _kinds_and_owners(facts: GraphFacts) -> tuple[dict, dict]:
+    return _lowered(facts)[:2]
 
 
 def materialized(facts: GraphFacts, order: list[fx.Node], kept: set[fx.Node],
