@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import math
 import operator
 
 import torch
@@ -648,24 +649,26 @@ def _eager_strided(node: fx.Node, facts: GraphFacts) -> bool:
     value = node.meta.get("val")
     if node.op == "placeholder" or facts.nodes[node].category not in FUSED or not isinstance(value, torch.Tensor):
         return False
-    if value.dim() in CHANNELS_LAST and value.is_contiguous(memory_format=CHANNELS_LAST[value.dim()]):
+    # Sizes and strides as hints: comparing symbolic ones would add guards.
+    shape = [compat.hint_int(size) for size in value.shape]
+    strides = [compat.hint_int(stride) for stride in value.stride()]
+    if math.prod(shape) <= 1 or strides == _contiguous_strides(shape):
         return False
-    return not _contiguous(value)
+    return len(shape) not in (4, 5) or strides != _channels_last_strides(shape)
 
 
-def _contiguous(value: torch.Tensor) -> bool:
-    return tuple(value.stride()) == tuple(_contiguous_strides(value.shape)) or value.numel() <= 1
-
-
-def _contiguous_strides(shape) -> list[int]:
+def _contiguous_strides(shape: list[int]) -> list[int]:
     strides, step = [], 1
-    for size in reversed([compat.hint_int(s) for s in shape]):
+    for size in reversed(shape):
         strides.append(step)
         step *= max(size, 1)
     return strides[::-1]
 
 
-CHANNELS_LAST = {4: torch.channels_last, 5: torch.channels_last_3d}
+def _channels_last_strides(shape: list[int]) -> list[int]:
+    """Strides of (N, C, *spatial) with channels innermost."""
+    inner = _contiguous_strides([shape[0], *shape[2:], shape[1]])
+    return [inner[0], inner[-1], *inner[1:-1]]
 
 # The nodes _eager_strided holds for, and whether a view stays a view over
 # its base laid out contiguous (per view node, filled on demand): both
@@ -693,7 +696,7 @@ def _reinterpretable(view: fx.Node, facts: GraphFacts) -> bool:
 
 def _replay(chain: list[fx.Node]) -> bool:
     base = chain[-1].meta["val"]
-    shape = [compat.hint_int(s) for s in base.shape]
+    shape = [compat.hint_int(size) for size in base.shape]
     current = torch.empty_strided(shape, _contiguous_strides(shape), dtype=base.dtype, device="meta")
     for node in reversed(chain[:-1]):
         args = [current if i == 0 else _concrete(a) for i, a in enumerate(node.args)]
