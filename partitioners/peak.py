@@ -864,8 +864,14 @@ def _cpu_attention_workspace(node: fx.Node) -> int:
     workspace = torch.get_num_threads() * per_thread
     if reduced:
         workspace += compat.hint_int(query.numel()) * FLOAT32_BYTES
-    if not grad_out.transpose(1, 2).is_contiguous():
-        workspace += compat.hint_int(grad_out.numel()) * grad_out.element_size()
+    # (batch, seq, heads, dim) memory order, read through size hints: comparing
+    # symbolic strides would add shape guards
+    shape = [compat.hint_int(size) for size in grad_out.shape]
+    strides = [compat.hint_int(stride) for stride in grad_out.stride()]
+    order = (0, 2, 1, 3)
+    blhd = _contiguous_strides([shape[i] for i in order])
+    if any(shape[i] > 1 and strides[i] != want for i, want in zip(order, blhd)):
+        workspace += math.prod(shape) * grad_out.element_size()
     return workspace
 
 
