@@ -7,8 +7,10 @@ Compiles the model with ckpt, runs one step and prints, per phase (forward,
 backward), the predicted peak next to the measured one, the op running when
 the measured peak is reached and the sizes of the buffers alive then (CPU
 profiler memory events: +bytes on allocation, -bytes on free, a size
-multiset). This is DESIGN.md's calibration method in one command: a missing
-term in the model shows up as a buffer size nobody predicted.
+multiset), and whether Inductor's reorder_for_peak_memory kept graph order
+for each compiled graph. This is DESIGN.md's calibration method in one
+command: a missing term in the model shows up as a buffer size nobody
+predicted.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import ast
 import collections
 import contextlib
 import dataclasses
+import logging
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -67,6 +70,43 @@ def _innermost(ops, time) -> str:
 
 
 @contextlib.contextmanager
+def capture_reorders():
+    """Inductor's ``reorder_for_peak_memory`` decisions meanwhile, one list
+    of ``(order, estimated peak bytes)`` per compiled graph, baseline first
+    (torch/_inductor/memory.py logs them at INFO). The model follows the
+    baseline order: where another wins, its prediction may miss (the MoE)."""
+    decisions: list[list[tuple[str, int]]] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            message = record.getMessage()
+            if message.startswith("Reordering for peak memory"):
+                decisions.append([])
+            elif " peak memory: " in message and decisions:
+                name, value = message.split(" peak memory: ")
+                decisions[-1].append((name.removeprefix("topological_sort_").lower(), int(value)))
+
+    logger, handler = logging.getLogger("torch._inductor.memory"), Collect(logging.INFO)
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield decisions
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+def describe_reorder(estimates: list[tuple[str, int]]) -> str:
+    """One graph's decision: the order Inductor keeps (the first lowest
+    estimate, as its ``min`` picks) and every estimate."""
+    chosen = min(estimates, key=lambda item: item[1])[0]
+    listed = ", ".join(f"{name} {value / MiB:.2f}" for name, value in estimates)
+    verdict = "keeps graph order" if chosen == "baseline" else f"reorders ({chosen})"
+    return f"{verdict}; Inductor's estimates MiB: {listed}"
+
+
+@contextlib.contextmanager
 def capture_partitions():
     """Every Partition ckpt builds meanwhile (its GraphFacts and Plan)."""
     from partitioners import partition as module
@@ -108,7 +148,7 @@ def calibrate(case, budget: str | None, show_code: bool = False, inductor: dict 
     base = case.build()
     logs = {"output_code": True} if show_code else {}
     with fresh_inductor_cache(), _logs(**logs), torch._inductor.config.patch(inductor or {}), \
-            capture_partitions() as parts:
+            capture_partitions() as parts, capture_reorders() as reorders:
         prep = prepare(case, base, mode, case.batch, "cpu")
         torch.manual_seed(0)
         prep.step()  # compiles
@@ -124,6 +164,9 @@ def calibrate(case, budget: str | None, show_code: bool = False, inductor: dict 
         print(f"  graph {i}: predicted forward {e.forward_bytes / MiB:.2f} MiB, held {e.held_bytes / MiB:.2f}, "
               f"backward {e.backward_bytes / MiB:.2f} (saved by plan {plan.saved_activation_bytes / MiB:.2f})")
     print(f"  predicted step peak {predicted_step_peak(plans) / MiB:.2f} MiB")
+    for i, estimates in enumerate(reorders):
+        if estimates:
+            print(f"  Inductor graph {i} (in compile order: forward, then backward): {describe_reorder(estimates)}")
     print(f"  measured forward {forward.peak_bytes / MiB:.2f} MiB, live after forward {forward.end_bytes / MiB:.2f}, "
           f"backward {(forward.end_bytes + backward.peak_bytes) / MiB:.2f} (from the step's start)")
     for part in parts:

@@ -274,3 +274,13 @@ def test_peak_budget_mode_compiles_per_batch_in_the_cap_search():
     assert search.peak_at(2 * case.batch) > search.start_peak
     assert search.prep.args[0].shape[0] == 2 * case.batch
     assert search.prep.runner.plans is not plans and len(search.prep.runner.plans) == 1
+
+
+def test_calibrate_names_the_order_inductor_keeps():
+    from bench.calibrate import describe_reorder
+
+    # Inductor takes the first lowest estimate: graph order wins ties.
+    assert describe_reorder([("baseline", 2 << 20), ("lpmf", 2 << 20), ("dfs", 3 << 20)]).startswith(
+        "keeps graph order")
+    assert describe_reorder([("baseline", 3 << 20), ("lpmf", 2 << 20), ("bfs", 2 << 20)]).startswith(
+        "reorders (lpmf)")
