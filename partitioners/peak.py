@@ -240,8 +240,7 @@ def inductor_estimate(facts: GraphFacts, order: list[fx.Node], curve: list[int],
 def _run_ends(facts: GraphFacts, order: list[fx.Node]) -> list[int]:
     """Per step, the last step of its run of fused kernels (an extern kernel
     is a run of its own)."""
-    kinds = _kinds_and_owners(facts)[0]
-    extern = [_is_extern(node, facts, kinds[node]) for node in order]
+    extern = [_is_extern(node, facts) for node in order]
     ends, end = [0] * len(order), len(order) - 1
     for step in reversed(range(len(order))):
         if extern[step]:
@@ -267,11 +266,9 @@ def reuse_pool(facts: GraphFacts, estimate: list[int], written: list[list[fx.Nod
     of the same key takes the most recently pooled one, holding it alive in
     between, when its own peak estimate over that span plus the buffer stays
     under the graph's estimated peak. Buffers no allocation takes are freed
-    where they were last read. ``curve`` (live bytes per step, without
-    workspaces, which Inductor does not see) stands for Inductor's estimate,
-    and ``ceiling`` for its peak. Inductor estimates before it decides which
-    kernels write in place, so there a kernel's output counts on top of the
-    buffer it overwrites (``walk`` passes that peak). Measured on GPT-2 at
+    where they were last read. ``estimate`` is Inductor's estimate per step
+    (``inductor_estimate``; without workspaces, which Inductor does not
+    see), and its maximum Inductor's estimated peak. Measured on GPT-2 at
     budget 0.0: Inductor's estimate peaks where the fused MLP backward writes
     in place, and the MLP's buffers freed before the attention backward are
     held for the next layer's.
@@ -395,7 +392,7 @@ def kernel_order(facts: GraphFacts, order: list[fx.Node]) -> list[fx.Node]:
     result, pending, waiting = [], [], set()
     for node in order:
         kind = kinds[node]
-        if _is_extern(node, facts, kind):  # extern kernels keep their order
+        if _is_extern(node, facts):  # extern kernels keep their order
             result.extend(pending)
             pending, waiting = [node], {node}
             continue
@@ -423,7 +420,7 @@ def _waiting_ancestors(node: fx.Node, waiting: set[fx.Node]) -> set[fx.Node]:
     return needed
 
 
-def _is_extern(node: fx.Node, facts: GraphFacts, kind: str | None = None) -> bool:
+def _is_extern(node: fx.Node, facts: GraphFacts) -> bool:
     """Whether ``node`` runs as an extern kernel (looked up: ``_lowered``)."""
     return node in _lowered(facts)[2]
 
@@ -508,7 +505,7 @@ def materialized(facts: GraphFacts, order: list[fx.Node], kept: set[fx.Node],
     in_order = set(order)
     kinds = _kinds_and_owners(facts)[0]
     position = {node: step for step, node in enumerate(order)}
-    externs = [step for step, node in enumerate(order) if _is_extern(node, facts, kinds[node])]
+    externs = [step for step, node in enumerate(order) if _is_extern(node, facts)]
     buffers: set[fx.Node] = set()
     inline_reads: dict[fx.Node, frozenset] = {}
     costly: dict[fx.Node, bool] = {}
@@ -567,7 +564,7 @@ def copied_views(facts: GraphFacts, order: list[fx.Node], kept: set[fx.Node]) ->
     if not relaid:
         return copies
     for reader in order:
-        if not _is_extern(reader, facts, kinds[reader]):
+        if not _is_extern(reader, facts):
             continue
         for arg in reader.all_input_nodes:
             if kinds[arg] == ALIAS and arg not in copies and _view_chain(arg, facts)[-1] in relaid \
@@ -595,7 +592,7 @@ def copy_steps(facts: GraphFacts, order: list[fx.Node], buffers: set[fx.Node]) -
     fused_write = None
     for step, node in enumerate(order):
         kind = kinds[node]
-        if _is_extern(node, facts, kind):
+        if _is_extern(node, facts):
             for arg in node.all_input_nodes:
                 if arg in copies:
                     copies.discard(arg)
@@ -623,7 +620,7 @@ def relaid_contiguous(facts: GraphFacts, order: list[fx.Node], kept: set[fx.Node
     in_order = set(order)
     relaid = set()
     for reader in order:
-        if _is_extern(reader, facts, kinds[reader]):
+        if _is_extern(reader, facts):
             for arg in reader.all_input_nodes:
                 if kinds[arg] == ALIAS:
                     base = _view_chain(arg, facts)[-1]
@@ -751,7 +748,7 @@ def _written_reader(reader: fx.Node, facts: GraphFacts, kind: str) -> bool:
     with several outputs, such as convolution_backward) or a buffer-writing
     kernel other than a reduction, which computes inlined inputs inside its
     own loop."""
-    if _is_extern(reader, facts, kind):
+    if _is_extern(reader, facts):
         return True
     return kind == BUFFER and facts.nodes[reader].category not in REDUCTIONS
 
@@ -779,7 +776,7 @@ def buffer_reads(facts: GraphFacts, order: list[fx.Node], buffers: set[fx.Node])
         args = node.all_input_nodes
         # (the budget search walks each graph many times: skip the union for one input)
         arg_sources = source(args[0]) if len(args) == 1 else frozenset().union(*map(source, args))
-        if copies and not copies.isdisjoint(args) and _is_extern(node, facts, kinds[node]):
+        if copies and not copies.isdisjoint(args) and _is_extern(node, facts):
             arg_sources = frozenset().union(*(frozenset({a}) if a in copies else source(a) for a in args))
         if node in copies:
             sources[node] = source(owners[node])
@@ -800,7 +797,6 @@ def buffer_reads(facts: GraphFacts, order: list[fx.Node], buffers: set[fx.Node])
 # buffer of their own (FlashAttention-2's dq accumulator on CUDA). The CPU
 # kernel is modelled on its own (``_cpu_attention_workspace``).
 ATTENTION_BACKWARD = _every_overload(
-    aten._scaled_dot_product_flash_attention_for_cpu_backward,
     aten._scaled_dot_product_flash_attention_backward,
     aten._scaled_dot_product_efficient_attention_backward,
     aten._scaled_dot_product_cudnn_attention_backward,
