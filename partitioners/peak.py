@@ -28,6 +28,13 @@ its own (``copied_views``). Extern kernels that allocate working
 memory of their own (attention backward) add it while they run
 (``workspace_bytes``).
 
+The order follows Inductor's scheduler: kernels run as fused runs between
+extern kernels (``kernel_order``), and a kernel fuses with an earlier one it
+reads across extern kernels when that makes no cycle; the fused kernel runs
+at the earlier one's place, after the extern kernels it needs
+(``fused_across_externs``). A random draw only its own fused kernel reads
+gets no buffer.
+
 Deterministic: a function of the graph and the saved set, no timing, no
 allocation, so every rank predicts the same.
 """
@@ -135,12 +142,14 @@ def walk(facts: GraphFacts, order: list[fx.Node], kept: set[fx.Node],
          start: set[fx.Node] = frozenset(), trace: list | None = None) -> int:
     """Peak bytes of running ``order`` with ``start`` buffers alive at the
     beginning and ``kept`` ones never freed. ``trace`` collects
-    ``(node, live bytes, alive buffers)`` per step, for calibration."""
+    ``(node, live bytes, alive buffers, Inductor's estimate)`` per step,
+    for calibration."""
     order = kernel_order(facts, mm_at_its_add(order))
-    kernel_local: dict[fx.Node, tuple[int, int]] = {}
-    buffers = materialized(facts, order, kept, kernel_local)
-    reads = buffer_reads(facts, order, buffers)
-    copies = copy_steps(facts, order, buffers)
+    buffers, reads, copies, kernel_local = _lowered_walk(facts, order, kept)
+    fused = fused_across_externs(facts, order, buffers, reads)
+    if fused is not order:  # kernels fused across extern kernels: lower again
+        order = fused
+        buffers, reads, copies, kernel_local = _lowered_walk(facts, order, kept)
     copied = {copy for written in copies.values() for copy in written}
     relaid = relaid_contiguous(facts, order, kept)
     last_read: dict[fx.Node, int] = {}
@@ -194,7 +203,7 @@ def walk(facts: GraphFacts, order: list[fx.Node], kept: set[fx.Node],
             live -= facts.nodes[buffer].nbytes
         freed.append(gone)
     estimate = inductor_estimate(facts, order, curve, donations, freed, kernel_local, start)
-    held = reuse_pool(facts, estimate, written, freed)
+    held = reuse_pool(facts, estimate, written, freed, _run_ends(facts, order))
     for buffer, first, last in held:
         for step in range(first, last):
             curve[step] += facts.nodes[buffer].nbytes
@@ -202,8 +211,17 @@ def walk(facts: GraphFacts, order: list[fx.Node], kept: set[fx.Node],
                 alive_at[step] |= {buffer}
     running = [c + w for c, w in zip(curve, workspace)]
     if trace is not None:
-        trace.extend(zip(order, running, alive_at))
+        trace.extend(zip(order, running, alive_at, estimate))
     return max([start_bytes, *running])
+
+
+def _lowered_walk(facts: GraphFacts, order: list[fx.Node], kept: set[fx.Node]) -> tuple:
+    """What ``walk`` needs of ``order``: its buffers, what each kernel reads,
+    where copied views are written, and the kernel-local values."""
+    kernel_local: dict[fx.Node, tuple[int, int]] = {}
+    buffers = materialized(facts, order, kept, kernel_local)
+    reads = buffer_reads(facts, order, buffers)
+    return buffers, reads, copy_steps(facts, order, buffers), kernel_local
 
 
 def inductor_estimate(facts: GraphFacts, order: list[fx.Node], curve: list[int], donations: list[int],
@@ -223,7 +241,8 @@ def inductor_estimate(facts: GraphFacts, order: list[fx.Node], curve: list[int],
     unseen = sum(facts.nodes[b].nbytes for b in start - facts.free_inputs if b.op == "placeholder")
     estimate, deferred = [], 0
     for step, live in enumerate(curve):
-        estimate.append(live + donations[step] + deferred - unseen)
+        deferred += donations[step]  # the donor counts to the end of its run too
+        estimate.append(live + deferred - unseen)
         for buffer in freed[step]:
             if buffer.op == "placeholder" and buffer in start:
                 unseen -= facts.nodes[buffer].nbytes  # gone from both
@@ -257,7 +276,7 @@ MATMULS = _every_overload(aten.mm, aten.addmm, aten.bmm, aten.baddbmm)
 
 
 def reuse_pool(facts: GraphFacts, estimate: list[int], written: list[list[fx.Node]],
-               freed: list[list[fx.Node]]) -> list[tuple[fx.Node, int, int]]:
+               freed: list[list[fx.Node]], run_end: list[int] | None = None) -> list[tuple[fx.Node, int, int]]:
     """Freed buffers Inductor keeps for a later buffer of the same size and
     dtype, as ``(buffer, first step, end step)`` spans they stay alive over.
 
@@ -274,6 +293,12 @@ def reuse_pool(facts: GraphFacts, estimate: list[int], written: list[list[fx.Nod
     held for the next layer's.
     """
     ceiling = max(estimate, default=0)
+    run_end = run_end or list(range(len(estimate)))
+    run_start, start = [], 0
+    for step in range(len(estimate)):
+        if step and run_end[step - 1] == step - 1:
+            start = step
+        run_start.append(start)
     extra = [0] * len(estimate)
     pool: dict[tuple, list[tuple[fx.Node, int]]] = {}
     spans = []
@@ -286,7 +311,9 @@ def reuse_pool(facts: GraphFacts, estimate: list[int], written: list[list[fx.Nod
                 continue
             donor, freed_at = waiting.pop()
             size = facts.nodes[buffer].nbytes
-            between = range(freed_at + 1, step)
+            # Inductor's check spans the kernels strictly between the one that
+            # last reads the donor and the one that writes the buffer.
+            between = range(run_end[freed_at] + 1, run_start[step])
             if between and max(estimate[k] + extra[k] for k in between) + size > ceiling:
                 waiting.append((donor, freed_at))
                 continue
@@ -371,14 +398,33 @@ def _in_place_donor(node, reads, step, last_read, alive, kept, relaid, facts) ->
     if _kinds_and_owners(facts)[0][node] != INLINE:
         return None
     size = facts.nodes[node].nbytes
-    for buffer in sorted(reads, key=lambda b: b.name):
-        if (
-            buffer in alive and buffer not in kept and last_read.get(buffer) == step
-            and facts.nodes[buffer].nbytes == size and buffer not in facts.inputs
-            and (buffer in relaid) == (node in relaid)
-        ):
-            return buffer
-    return None
+    candidates = [
+        buffer for buffer in reads
+        if buffer in alive and buffer not in kept and last_read.get(buffer) == step
+        and facts.nodes[buffer].nbytes == size and buffer not in facts.inputs
+        and (buffer in relaid) == (node in relaid)
+    ]
+    if len(candidates) < 2:
+        return candidates[0] if candidates else None
+    return _first_loaded(node, set(candidates), facts)
+
+
+def _first_loaded(node: fx.Node, candidates: set[fx.Node], facts: GraphFacts) -> fx.Node:
+    """Of ``candidates``, the buffer ``node``'s kernel loads first: Inductor
+    tries its reads in the order its loop body loads them, operands left to
+    right through inlined values (GPT-2's GELU backward overwrites the
+    gradient it multiplies, not the recomputed input)."""
+    owners = _kinds_and_owners(facts)[1]
+    stack, seen = list(reversed(node.all_input_nodes)), set()
+    while stack:
+        arg = stack.pop()
+        if arg in seen:
+            continue
+        seen.add(arg)
+        if owners.get(arg, arg) in candidates:
+            return owners.get(arg, arg)
+        stack.extend(reversed(arg.all_input_nodes))
+    return min(candidates, key=lambda b: b.name)
 
 
 def kernel_order(facts: GraphFacts, order: list[fx.Node]) -> list[fx.Node]:
@@ -407,6 +453,164 @@ def kernel_order(facts: GraphFacts, order: list[fx.Node]) -> list[fx.Node]:
             waiting -= needed
         result.append(node)
     return result + pending
+
+
+def fused_across_externs(facts: GraphFacts, order: list[fx.Node], buffers: set[fx.Node],
+                         reads: dict) -> list[fx.Node]:
+    """``order`` as Inductor's scheduler runs it after fusing a kernel with an
+    earlier one it reads across extern kernels (vertical fusion has no
+    distance limit): the fused kernel runs where the earlier one was, and
+    the extern kernels the later one needs run before it. Legal when
+    nothing between them that the later kernel needs reads the earlier one
+    (a cycle). Seen in Inductor's code for a GPT with dropout at budget 0.0:
+    the recomputed dropout draws, the dropout, and its backward and the
+    softmax backward are one kernel, run after the ``grad @ v.T`` matmul and
+    before the recomputed ``attn @ v``; and on the MoE, a recomputed
+    LayerNorm fuses with its backward. Returns ``order`` itself when nothing
+    fuses."""
+    kinds = _kinds_and_owners(facts)[0]
+    position = {node: step for step, node in enumerate(order)}
+    externs_before, count = [], 0
+    for node in order:
+        externs_before.append(count)
+        count += _is_extern(node, facts)
+    group: dict[fx.Node, int] = {}  # fused node -> its group (the group's first step)
+    teams: dict[int, list[fx.Node]] = {}
+    crossed = False
+    for later in order:
+        if not _fusable(later, buffers, kinds, facts):
+            continue
+        size = _loop_numel(later, facts)
+        candidates = [
+            earlier for earlier in reads.get(later, ())
+            if earlier in position and _fusable(earlier, buffers, kinds, facts)
+            and _loop_numel(earlier, facts) == size
+        ]
+        for earlier in sorted(candidates, key=lambda n: (-facts.nodes[n].nbytes, position[n])):
+            first = group.get(earlier, position[earlier])
+            members = teams.get(first, [earlier])
+            if len(members) >= MAX_FUSED or _fusion_cycle(later, set(members), first, position, buffers, facts):
+                continue
+            if first not in teams:
+                teams[first], group[earlier] = members, first
+            members.append(later)
+            group[later] = first
+            crossed |= externs_before[position[later]] != externs_before[first]
+            break
+    if not crossed:  # fusions inside one run of kernels change nothing here
+        return order
+    return _grouped_order(order, group, teams, position)
+
+
+# torch/_inductor/config.py max_fusion_size: nodes in one fused kernel.
+MAX_FUSED = 64
+
+
+def _fusable(node: fx.Node, buffers: set[fx.Node], kinds: dict, facts: GraphFacts) -> bool:
+    """A scheduler node Inductor may fuse with another: a buffer written by
+    a pointwise, random or reduction kernel."""
+    if node not in buffers or kinds[node] == ALIAS or node.op != "call_function" or _is_extern(node, facts):
+        return False
+    kernel = node.args[0] if node.target is operator.getitem else node
+    return facts.nodes[kernel].category in FUSED and kernel.target not in ALWAYS_WRITTEN
+
+
+def _loop_numel(node: fx.Node, facts: GraphFacts) -> int | tuple | None:
+    """The elements a kernel loops over: a reduction's input, else its
+    output. A reduction over leading dimensions (a bias gradient's sum over
+    tokens) loops in another order, so it is ``("outer", elements)``: it
+    does not fuse with the pointwise kernel it reads."""
+    kernel = node.args[0] if node.target is operator.getitem else node
+    if facts.nodes[kernel].category not in REDUCTIONS:
+        return _numel(node)
+    source = max(kernel.all_input_nodes, key=lambda arg: _numel(arg) or 0, default=None)
+    if source is None:
+        return None
+    inputs, outputs = _shape(source), _shape(kernel)
+    while outputs and outputs[-1] == 1:
+        outputs.pop()
+    elements = _numel(source)
+    return elements if inputs[:len(outputs)] == outputs else ("outer", elements)
+
+
+def _shape(node: fx.Node) -> list[int]:
+    value = node.meta.get("val")
+    if isinstance(value, (tuple, list)):
+        value = value[0]
+    return [compat.hint_int(size) for size in value.shape] if isinstance(value, torch.Tensor) else []
+
+
+def _fusion_cycle(later: fx.Node, members: set[fx.Node], first: int, position: dict,
+                  buffers: set[fx.Node], facts: GraphFacts) -> bool:
+    """Whether ``later`` needs, through a kernel outside the group, a value
+    that needs the group (``members``, from step ``first`` on)."""
+    seen: set[fx.Node] = set()
+    stack = [(arg, False) for arg in later.all_input_nodes]
+    while stack:
+        node, through_kernel = stack.pop()
+        if node in members:
+            if through_kernel:
+                return True
+            continue
+        if (node, through_kernel) in seen or position.get(node, -1) <= first:
+            continue
+        seen.add((node, through_kernel))
+        kernel = node in buffers or _is_extern(node, facts)
+        stack.extend((arg, through_kernel or kernel) for arg in node.all_input_nodes)
+    return False
+
+
+def _grouped_order(order: list[fx.Node], group: dict[fx.Node, int], teams: dict[int, list[fx.Node]],
+                   position: dict) -> list[fx.Node]:
+    """Inductor's topological sort of its fused nodes by first step: a group
+    runs at its first member's step, after whatever its members need."""
+    placed: set[fx.Node] = set()
+    result: list[fx.Node] = []
+
+    def place(root: fx.Node) -> None:
+        stack = [(root, False)]
+        while stack:
+            node, ready = stack.pop()
+            if node in placed:
+                continue
+            if ready:
+                placed.add(node)
+                result.append(node)
+                continue
+            stack.append((node, True))
+            stack.extend((arg, False) for arg in reversed(node.all_input_nodes)
+                         if arg in position and arg not in placed)
+
+    for node in order:
+        if node in placed:
+            continue
+        if node in group:
+            team = sorted(teams[group[node]], key=position.__getitem__)
+            for needed in _outside_needs(team, placed, position):
+                place(needed)  # first what the group needs from outside it
+            for member in team:
+                place(member)
+        else:
+            place(node)
+    return result
+
+
+def _outside_needs(team: list[fx.Node], placed: set[fx.Node], position: dict) -> list[fx.Node]:
+    """The unplaced nodes ``team`` needs that do not need ``team`` themselves
+    (those are inlined values computed inside the group's kernel), in order."""
+    members = set(team)
+    ancestors, stack = set(), [arg for member in team for arg in member.all_input_nodes]
+    while stack:
+        node = stack.pop()
+        if node in ancestors or node in members or node in placed or node not in position:
+            continue
+        ancestors.add(node)
+        stack.extend(node.all_input_nodes)
+    needs_team: set[fx.Node] = set()
+    for node in sorted(ancestors, key=position.__getitem__):
+        if any(arg in members or arg in needs_team for arg in node.all_input_nodes):
+            needs_team.add(node)
+    return [node for node in sorted(ancestors, key=position.__getitem__) if node not in needs_team]
 
 
 def _waiting_ancestors(node: fx.Node, waiting: set[fx.Node]) -> set[fx.Node]:
@@ -536,7 +740,40 @@ def materialized(facts: GraphFacts, order: list[fx.Node], kept: set[fx.Node],
             inline_reads[node], costly[node] = frozenset({node}), False
         else:
             inline_reads[node] = reads
+    for draw in [n for n in buffers if facts.nodes[n].category in FUSED_BUFFER]:
+        last = _dropped_draw(draw, facts, kept, buffers, kinds, position, externs)
+        if last is not None:
+            buffers.discard(draw)
+            if kernel_local is not None:
+                kernel_local[draw] = (position[draw], last)
     return buffers | copied_views(facts, order, kept)
+
+
+def _dropped_draw(draw: fx.Node, facts: GraphFacts, kept: set[fx.Node], buffers: set[fx.Node],
+                  kinds: dict, position: dict, externs: list) -> int | None:
+    """The last step reading a random draw that only the kernels drawing
+    it read (the dropout that applies it; in backward also the dropout's
+    backward, fused across extern kernels: ``fused_across_externs``): the
+    scheduler drops its buffer. None when the draw keeps a buffer."""
+    if draw in kept or draw in facts.backward_outputs:
+        return None
+    readers, stack, seen = [], list(draw.users), set()
+    while stack:  # the kernels reading it, through inlined values and views
+        user = stack.pop()
+        if user in seen or user not in position:
+            continue
+        seen.add(user)
+        if user in buffers or _is_extern(user, facts):
+            readers.append(user)
+        elif kinds[user] in (INLINE, ALIAS):
+            stack.extend(user.users)
+    size = _loop_numel(draw, facts)
+    if not readers or any(_is_extern(r, facts) or _loop_numel(r, facts) != size for r in readers):
+        return None
+    last = max(position[r] for r in readers)
+    if bisect.bisect_right(externs, position[draw]) != bisect.bisect_left(externs, last):
+        return None  # an extern kernel runs between: it is written
+    return last
 
 
 def copied_views(facts: GraphFacts, order: list[fx.Node], kept: set[fx.Node]) -> set[fx.Node]:

@@ -9,7 +9,8 @@ from conftest import aot_partition
 from bench.measure import peak_cpu_bytes
 from partitioners.ops import OpCategory
 from partitioners.peak import (
-    backward_schedule, copied_views, estimate_step_peak, inductor_estimate, materialized, mm_at_its_add,
+    backward_schedule, buffer_reads, copied_views, estimate_step_peak, fused_across_externs, inductor_estimate,
+    materialized, mm_at_its_add,
     reuse_pool, walk, workspace_bytes,
 )
 
@@ -95,9 +96,11 @@ def test_recomputed_values_are_scheduled_just_before_their_first_reader():
             assert position[node] < min(position[u] for u in node.users if u in position)
 
 
-def test_seeded_random_draws_get_a_float_buffer_and_the_mask_is_inlined():
-    # Inductor's lowering of inductor_random always realizes the draws
-    # (float32), so the boolean mask computed from them is inlined.
+def test_seeded_random_draws_read_only_by_their_kernel_get_no_buffer():
+    # Inductor realizes the draws (float32) but the scheduler drops them
+    # when the only kernel reading them is the one drawing them (seen in its
+    # code for a GPT with dropout: the softmax-and-dropout kernel takes the
+    # seeds and writes only the dropout's output). The mask is inlined.
     def f(x, w, seeds):
         draws = torch.ops.prims.inductor_random([64, 64], seeds, "rand")
         dropped = x * (draws > 0.1) * (1 / 0.9)
@@ -105,10 +108,23 @@ def test_seeded_random_draws_get_a_float_buffer_and_the_mask_is_inlined():
 
     seeds = torch.ops.prims.inductor_seeds(1, torch.device("cpu"))[0]
     result, _ = aot_partition(f, leaf(64, 64), leaf(64, 64), seeds)
-    facts, saved, buffers = _forward_buffers(result)
-    random = [n.name for n in facts.nodes if n.target is torch.ops.prims.inductor_random.default]
-    assert random and set(random) <= set(buffers)
-    assert not any(name.startswith("gt") for name in buffers)
+    facts = result.facts
+    saved = {n for n in facts.nodes if n.name in set(result.plan.saved)}
+    order = [n for n in facts.nodes if n in facts.forward]
+    kernel_local = {}
+    buffers = materialized(facts, order, facts.saved_storages(saved), kernel_local)
+    random = [n for n in facts.nodes if n.target is torch.ops.prims.inductor_random.default]
+    assert random and not set(random) & buffers
+    assert set(random) <= set(kernel_local)  # Inductor's estimate still counts them
+    assert not any(n.name.startswith("gt") for n in buffers)
+    # Read by an extern kernel too, the draws are written.
+    def g(x, w, seeds):
+        draws = torch.ops.prims.inductor_random([64, 64], seeds, "rand")
+        return ((x * (draws > 0.1)).sin() @ w + draws @ w).sum()
+
+    result, _ = aot_partition(g, leaf(64, 64), leaf(64, 64), seeds)
+    facts, _, names = _forward_buffers(result)
+    assert any(n.name in names for n in facts.nodes if n.target is torch.ops.prims.inductor_random.default)
 
 
 def test_cpu_convolutions_hold_a_weight_sized_buffer_per_weight_layout_they_write():
@@ -190,6 +206,10 @@ def test_a_freed_buffer_waits_in_inductors_pool_for_one_of_its_size():
     # b's size is not d's; c takes b, the most recently freed of its size.
     spans = reuse_pool(facts, [10, 10, 10, 40], written=[[a], [b], [c], [d]], freed=[[a], [b], [], []])
     assert spans == [(b, 2, 2), (a, 1, 3)]
+    # Inductor checks only the kernels strictly between the one reading a
+    # last and the one writing d: when steps 0 and 1 are one fused kernel,
+    # its peak at step 1 (20) is not between, so d takes a.
+    assert reuse_pool(facts, [10, 20, 10, 20], **steps, run_end=[1, 1, 2, 3]) == [(a, 1, 3)]
 
 
 @pytest.mark.parametrize("seq, heads, grad_layout", [(64, 4, "blhd"), (200, 2, "blhd"), (64, 4, "bhld")])
@@ -252,10 +272,11 @@ def test_inductors_estimate_frees_a_fused_runs_inputs_at_its_end_and_skips_input
     # Inductor: x is not counted; a, b, c fuse into one kernel that frees
     # a and b only when it ends (step 2); the mm is a kernel of its own.
     assert estimate == [10, 20, 30, 30]
-    # An in-place output counts on top of its donor; a kernel-local value
+    # An in-place output counts on top of its donor, which Inductor frees at
+    # the end of the run, as the inputs it reads; a kernel-local value
     # counts through the end of its run.
     estimate = inductor_estimate(facts, order, curve, [0, 10, 0, 0], freed, {b: (1, 1)}, start={x})
-    assert estimate == [10, 40, 40, 30]
+    assert estimate == [10, 40, 50, 30]
 
 
 def _relaid_einsum_graph():
@@ -294,3 +315,59 @@ def test_a_copied_view_is_written_with_its_base_which_cannot_overwrite_the_matmu
     # g reads mm in eager's order but writes its own: not in place. The
     # kernel writing g writes the copy too, while mm is still alive.
     assert walk(facts, order, kept=set()) == 3 * size
+
+
+def _fusion_case(extern_reads_first: bool):
+    """sin(x) is written (a matmul reads it); mul reads it and the output
+    of a second matmul, which reads sin(x) only when asked."""
+    def f(x, w1, w2):
+        first = x.sin()
+        second = (first if extern_reads_first else x).cos() @ w2
+        return ((first @ w1).sum() + (first * second).sum()).reshape(1)
+
+    result, _ = aot_partition(f, leaf(64, 64), leaf(64, 64), leaf(64, 64))
+    facts = result.facts
+    order = [n for n in facts.nodes if n in facts.forward]
+    kept = facts.saved_storages({n for n in facts.nodes if n.name in set(result.plan.saved)})
+    buffers = materialized(facts, order, kept)
+    fused = fused_across_externs(facts, order, buffers, buffer_reads(facts, order, buffers))
+    by_name = {n.name: n for n in order}
+    return fused, order, by_name
+
+
+def test_a_kernel_fuses_with_an_earlier_one_it_reads_across_extern_kernels():
+    # Inductor fuses mul into sin's kernel (vertical fusion has no distance
+    # limit); the fused kernel runs where sin was, after the matmul that
+    # mul also needs, and before the matmul that reads sin.
+    fused, order, n = _fusion_case(extern_reads_first=False)
+    assert sorted(fused, key=str) == sorted(order, key=str)
+    position = {node: step for step, node in enumerate(fused)}
+    assert all(position[arg] < position[node] for node in fused for arg in node.all_input_nodes if arg in position)
+    # mm: cos(x) @ w2, which mul needs; mm_1: sin(x) @ w1
+    assert position[n["mm"]] < position[n["sin"]] < position[n["mul"]] < position[n["mm_1"]]
+    between = fused[position[n["sin"]]:position[n["mul"]]]
+    assert not any(node.target is torch.ops.aten.mm.default for node in between)
+
+
+def test_no_fusion_when_the_matmul_between_reads_the_earlier_kernel():
+    fused, order, _ = _fusion_case(extern_reads_first=True)
+    assert fused is order  # fusing would make a cycle through the matmul
+
+
+def test_a_pointwise_kernel_overwrites_the_buffer_it_loads_first():
+    # Both matmul outputs are read for the last time by the kernel writing
+    # r, and are its size: Inductor overwrites the first its loop body
+    # loads, operands left to right (here cos(q)'s q, though it sorts later
+    # by name).
+    def f(a, b, w):
+        p, q = a @ w, b @ w
+        return ((q.cos() * p) @ w).sum()
+
+    result, _ = aot_partition(f, leaf(64, 64), leaf(64, 64), leaf(64, 64))
+    facts = result.facts
+    order = [n for n in facts.nodes if n in facts.forward]
+    kept = facts.saved_storages({n for n in facts.nodes if n.name in set(result.plan.saved)})
+    trace = []
+    walk(facts, order, kept - {n for n in kept if n.name in ("mm", "mm_1")}, trace=trace)
+    (alive,) = [alive for node, _, alive, _ in trace if node.name == "mul"]
+    assert {n.name for n in alive} >= {"mm", "mul"} and "mm_1" not in {n.name for n in alive}
