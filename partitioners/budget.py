@@ -462,7 +462,9 @@ class _Search:
                 self._cut(periodic_boundaries(self.spine, run, phase, 1), rate=0.0)
                 for phase in range(period)
             ]
-            yield from per_block
+            # The phases are alternatives of one boundary count, all cut
+            # already: the best first, so that staleness stops after it.
+            yield from sorted(per_block, key=_by_peak)
             phase = min(range(period), key=lambda p: _by_peak(per_block[p]))
             for blocks in range(2, (end - first) // period + 1):
                 yield self._cut(periodic_boundaries(self.spine, run, phase, blocks), rate=0.0)
