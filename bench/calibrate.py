@@ -134,7 +134,9 @@ def predicted_backward(part, top: int = 12) -> None:
     peak.estimate_step_peak(facts, saved, backward_trace=trace)
     held = facts.saved_storages(saved)
     gradients = {peak.owner(n, facts) for n in facts.backward_outputs}
-    node, now, alive = max(trace, key=lambda step: step[1])
+    node, now, alive, _ = max(trace, key=lambda step: step[1])
+    ceiling = max(step[3] for step in trace)
+    print(f"  model of Inductor's estimate for this backward (its reuse pool's ceiling): {ceiling / MiB:.2f} MiB")
     print(f"  predicted backward peak {now / MiB:.2f} MiB at {node.name} ({node.target}); largest alive:")
     for buffer in sorted(alive, key=lambda b: -facts.nodes[b].nbytes)[:top]:
         tangent = buffer.op == "placeholder" and buffer not in facts.inputs
