@@ -568,18 +568,7 @@ def _grouped_order(order: list[fx.Node], group: dict[fx.Node, int], teams: dict[
     result: list[fx.Node] = []
 
     def place(root: fx.Node) -> None:
-        stack = [(root, False)]
-        while stack:
-            node, ready = stack.pop()
-            if node in placed:
-                continue
-            if ready:
-                placed.add(node)
-                result.append(node)
-                continue
-            stack.append((node, True))
-            stack.extend((arg, False) for arg in reversed(node.all_input_nodes)
-                         if arg in position and arg not in placed)
+        _schedule(root, placed, result, within=position)
 
     for node in order:
         if node in placed:
@@ -1124,7 +1113,9 @@ def backward_schedule(facts: GraphFacts, saved: set[fx.Node]) -> list[fx.Node]:
     return order
 
 
-def _schedule(root: fx.Node, done: set, order: list) -> None:
+def _schedule(root: fx.Node, done: set, order: list, within=None) -> None:
+    """Append ``root`` to ``order`` after its inputs not ``done`` yet (only
+    those ``within``, when given), depth first."""
     stack = [(root, False)]
     while stack:
         node, inputs_ready = stack.pop()
@@ -1135,4 +1126,5 @@ def _schedule(root: fx.Node, done: set, order: list) -> None:
             order.append(node)
             continue
         stack.append((node, True))
-        stack.extend((arg, False) for arg in reversed(node.all_input_nodes) if arg not in done)
+        stack.extend((arg, False) for arg in reversed(node.all_input_nodes)
+                     if arg not in done and (within is None or arg in within))
