@@ -74,7 +74,8 @@ def capture_reorders():
     """Inductor's ``reorder_for_peak_memory`` decisions meanwhile, one list
     of ``(order, estimated peak bytes)`` per compiled graph, baseline first
     (torch/_inductor/memory.py logs them at INFO). The model follows the
-    baseline order: where another wins, its prediction may miss (the MoE)."""
+    baseline order: where another wins, its prediction may miss (the training
+    GPT's forward is reordered least-peak-first)."""
     decisions: list[list[tuple[str, int]]] = []
 
     class Collect(logging.Handler):

@@ -464,8 +464,9 @@ class _Search:
             ]
             # The phases are alternatives of one boundary count, all cut
             # already: the best first, so that staleness stops after it.
-            yield from sorted(per_block, key=_by_peak)
-            phase = min(range(period), key=lambda p: _by_peak(per_block[p]))
+            ranked = sorted(range(period), key=lambda p: _by_peak(per_block[p]))
+            yield from (per_block[p] for p in ranked)
+            phase = ranked[0]
             for blocks in range(2, (end - first) // period + 1):
                 yield self._cut(periodic_boundaries(self.spine, run, phase, blocks), rate=0.0)
         yield self._cut([], rate=0.0)

@@ -202,8 +202,9 @@ def walk(facts: GraphFacts, order: list[fx.Node], kept: set[fx.Node],
             alive.discard(buffer)
             live -= facts.nodes[buffer].nbytes
         freed.append(gone)
-    estimate = inductor_estimate(facts, order, curve, donations, freed, kernel_local, start)
-    held = reuse_pool(facts, estimate, written, freed, _run_ends(facts, order))
+    run_end = _run_ends(facts, order)
+    estimate = inductor_estimate(facts, order, curve, donations, freed, kernel_local, start, run_end)
+    held = reuse_pool(facts, estimate, written, freed, run_end)
     for buffer, first, last in held:
         for step in range(first, last):
             curve[step] += facts.nodes[buffer].nbytes
@@ -225,7 +226,8 @@ def _lowered_walk(facts: GraphFacts, order: list[fx.Node], kept: set[fx.Node]) -
 
 
 def inductor_estimate(facts: GraphFacts, order: list[fx.Node], curve: list[int], donations: list[int],
-                      freed: list[list[fx.Node]], kernel_local: dict, start: set[fx.Node]) -> list[int]:
+                      freed: list[list[fx.Node]], kernel_local: dict, start: set[fx.Node],
+                      run_end: list[int] | None = None) -> list[int]:
     """Live bytes per step as Inductor's own estimate sees them
     (torch/_inductor/memory.py ``estimate_peak_memory``), by which its reuse
     pool decides. It runs on fused kernels before in-place and kernel-local
@@ -236,8 +238,9 @@ def inductor_estimate(facts: GraphFacts, order: list[fx.Node], curve: list[int],
     utils.is_nonfreeable_buffers). GPT-2 at 0.0: the GELU backward kernel
     writes three 0.5 MiB buffers at once, one of them a kernel-local tanh;
     Inductor's estimate peaks there and lets the fc's buffer wait in the
-    pool through the attention backward."""
-    run_end = _run_ends(facts, order)
+    pool through the attention backward. ``run_end``: ``_run_ends`` of
+    ``order``, when the caller has it."""
+    run_end = run_end or _run_ends(facts, order)
     unseen = sum(facts.nodes[b].nbytes for b in start - facts.free_inputs if b.op == "placeholder")
     estimate, deferred = [], 0
     for step, live in enumerate(curve):
@@ -537,7 +540,13 @@ def _shape(node: fx.Node) -> list[int]:
     value = node.meta.get("val")
     if isinstance(value, (tuple, list)):
         value = value[0]
-    return [compat.hint_int(size) for size in value.shape] if isinstance(value, torch.Tensor) else []
+    return _hinted(value.shape) if isinstance(value, torch.Tensor) else []
+
+
+def _hinted(sizes) -> list[int]:
+    """Sizes or strides as ints, read through size hints: comparing symbolic
+    ones would add shape guards."""
+    return [compat.hint_int(size) for size in sizes]
 
 
 def _fusion_cycle(later: fx.Node, members: set[fx.Node], first: int, position: dict,
@@ -596,10 +605,11 @@ def _outside_needs(team: list[fx.Node], placed: set[fx.Node], position: dict) ->
         ancestors.add(node)
         stack.extend(node.all_input_nodes)
     needs_team: set[fx.Node] = set()
-    for node in sorted(ancestors, key=position.__getitem__):
+    in_order = sorted(ancestors, key=position.__getitem__)
+    for node in in_order:
         if any(arg in members or arg in needs_team for arg in node.all_input_nodes):
             needs_team.add(node)
-    return [node for node in sorted(ancestors, key=position.__getitem__) if node not in needs_team]
+    return [node for node in in_order if node not in needs_team]
 
 
 def _waiting_ancestors(node: fx.Node, waiting: set[fx.Node]) -> set[fx.Node]:
@@ -872,9 +882,7 @@ def _eager_strided(node: fx.Node, facts: GraphFacts) -> bool:
     value = node.meta.get("val")
     if node.op == "placeholder" or facts.nodes[node].category not in FUSED or not isinstance(value, torch.Tensor):
         return False
-    # Sizes and strides as hints: comparing symbolic ones would add guards.
-    shape = [compat.hint_int(size) for size in value.shape]
-    strides = [compat.hint_int(stride) for stride in value.stride()]
+    shape, strides = _hinted(value.shape), _hinted(value.stride())
     if math.prod(shape) <= 1 or strides == _contiguous_strides(shape):
         return False
     return len(shape) not in (4, 5) or strides != _channels_last_strides(shape)
@@ -919,7 +927,7 @@ def _reinterpretable(view: fx.Node, facts: GraphFacts) -> bool:
 
 def _replay(chain: list[fx.Node]) -> bool:
     base = chain[-1].meta["val"]
-    shape = [compat.hint_int(size) for size in base.shape]
+    shape = _hinted(base.shape)
     current = torch.empty_strided(shape, _contiguous_strides(shape), dtype=base.dtype, device="meta")
     for node in reversed(chain[:-1]):
         args = [current if i == 0 else _concrete(a) for i, a in enumerate(node.args)]
@@ -1086,10 +1094,8 @@ def _cpu_attention_workspace(node: fx.Node) -> int:
     workspace = torch.get_num_threads() * per_thread
     if reduced:
         workspace += compat.hint_int(query.numel()) * FLOAT32_BYTES
-    # (batch, seq, heads, dim) memory order, read through size hints: comparing
-    # symbolic strides would add shape guards
-    shape = [compat.hint_int(size) for size in grad_out.shape]
-    strides = [compat.hint_int(stride) for stride in grad_out.stride()]
+    # is grad_out in (batch, seq, heads, dim) memory order?
+    shape, strides = _hinted(grad_out.shape), _hinted(grad_out.stride())
     order = (0, 2, 1, 3)
     blhd = _contiguous_strides([shape[i] for i in order])
     if any(shape[i] > 1 and strides[i] != want for i, want in zip(order, blhd)):
