@@ -157,9 +157,8 @@ def calibrate(case, budget: str | None, show_code: bool = False, inductor: dict 
         prep.step()  # compiles
     plans = prep.runner.plans
     prep.model.zero_grad(set_to_none=True)
-    with prep.runner.context():
-        loss, forward = measure_phase(lambda: prep.runner.fn(*prep.args))
-        _, backward = measure_phase(loss.backward)
+    loss, forward = measure_phase(lambda: prep.runner.fn(*prep.args))
+    _, backward = measure_phase(loss.backward)
     del loss
     print(f"{case.name} {mode}: {len(plans)} graph(s)")
     for i, plan in enumerate(plans):

@@ -111,8 +111,7 @@ class Prepared:
 
     def loss(self, args: tuple | None = None) -> torch.Tensor:
         """The forward pass on ``args`` (default: the prepared inputs)."""
-        with self.runner.context():
-            return self.runner.fn(*(self.args if args is None else args))
+        return self.runner.fn(*(self.args if args is None else args))
 
     def step(self) -> None:
         self.step_with(self.args)
@@ -201,10 +200,9 @@ def measure_memory(prep: Prepared, result: ModeResult, device: str) -> list[torc
     result.fallback = next((p.fallback for p in plans if p.fallback), None)
 
     prep.model.zero_grad(set_to_none=True)
-    with prep.runner.context():
-        with count_saved_bytes(list(prep.model.parameters()) + list(prep.args)) as saved:
-            loss = prep.runner.fn(*prep.args)
-        loss.backward()
+    with count_saved_bytes(list(prep.model.parameters()) + list(prep.args)) as saved:
+        loss = prep.runner.fn(*prep.args)
+    loss.backward()
     result.saved_bytes = saved["bytes"]
     # Free the gradients first: the peak counts from parameters and inputs alone.
     prep.model.zero_grad(set_to_none=True)

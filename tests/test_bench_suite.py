@@ -46,3 +46,31 @@ def test_quick_suite_on_the_mlp_writes_json_markdown_and_plots(tmp_path):
     for plot in data["plots"]:
         with open(os.path.join(out, plot), "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_pytorch_budget_mode_keeps_its_plan_after_another_mode_compiles():
+    """Dynamo hands a recompiled frame the cached graph of any backend that
+    compares equal: PyTorch's budget must travel with the backend, or once the
+    next mode's prepare resets Dynamo, the budget mode runs compile's graph
+    (the bench used to time PyTorch's budget points so)."""
+    import torch
+
+    from bench.cases import builtin_case
+    from bench.harness import prepare
+    from bench.measure import count_saved_bytes
+    from bench.modes import parse_mode
+
+    case = builtin_case("mlp", "quick")
+    torch.manual_seed(0)
+    base = case.build()
+    under_budget = prepare(case, base, parse_mode("compile+budget=0.0"), case.batch, "cpu")
+    plain = prepare(case, base, parse_mode("compile"), case.batch, "cpu")  # resets Dynamo
+
+    def saved_bytes(prep) -> int:
+        with count_saved_bytes([*prep.model.parameters(), *prep.args]) as saved:
+            loss = prep.loss()
+        loss.backward()
+        return saved["bytes"]
+
+    plain_bytes = saved_bytes(plain)
+    assert saved_bytes(under_budget) < plain_bytes
