@@ -379,6 +379,18 @@ def test_peak_auto_on_cpu_is_a_clear_error():
         _gpt_partition(budget="peak:auto")
 
 
+def test_peak_auto_plans_for_the_free_memory_less_the_margin_rounded_down(monkeypatch):
+    """The CUDA arithmetic, without a GPU: 10 GiB free -> 9 GiB target (10%
+    margin); 1000 MiB free -> 900 MiB, rounded down to 768 MiB (256 MiB steps)."""
+    import partitioners.budget as budget
+
+    monkeypatch.setattr(budget, "_graph_device", lambda graph: torch.device("cuda", 0))
+    for free, target in ((10 * 2**30, 9 * 2**30), (1000 * 2**20, 768 * 2**20), (100 * 2**20, 0)):
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device, free=free: (free, 80 * 2**30))
+        assert budget.resolve_peak_target(MemoryBudget(peak_auto=True), torch.fx.Graph()) == target
+    assert budget.resolve_peak_target(MemoryBudget.parse("peak:6GiB"), torch.fx.Graph()) == 6 * 2**30
+
+
 def test_peak_auto_on_cpu_fails_the_compile_with_the_setting_named():
     model = MLP(depth=1, width=8)
     compiled = torch.compile(model, backend=make_backend(memory_budget="peak:auto"))
