@@ -8,14 +8,18 @@ from __future__ import annotations
 
 import hashlib
 import json
+import operator
 import pathlib
 
 import torch
 
 from partitioners.canonical import canonical_names, op_label, shape_of, structure_digest
+from partitioners.budget import PRICED_CATEGORIES
 from partitioners.classify import activation_bytes
+from partitioners.cost import estimate_runtime_s, profile_for
 from partitioners.ops import OpCategory
 from partitioners.partition import Outcome
+from partitioners.peak import estimate_step_peak
 from partitioners.plan import RECOMPUTED, SAVED
 
 MiB = 2**20
@@ -60,6 +64,8 @@ def build_report(outcome: Outcome) -> dict:
             "pytorch": SAVED if node in pytorch_saved else RECOMPUTED if node in pytorch_recomputed else NOT_KEPT,
         })
     recomputed = [n for n in facts.nodes if decisions.get(n.name) and decisions[n.name].decision == RECOMPUTED]
+    ckpt_heavy, ckpt_heavy_us = _heavy_recompute(facts, recomputed, graph)
+    pytorch_heavy, pytorch_heavy_us = _heavy_recompute(facts, pytorch_recomputed, graph)
     report = {
         "fallback": None,
         "values": values,
@@ -78,6 +84,12 @@ def build_report(outcome: Outcome) -> dict:
             "budget_note": plan.budget_note,
             "estimated_budget_recompute_us": round(plan.recompute_time_s * 1e6, 1),
             "estimated_peak_bytes": plan.estimated_peak_bytes,
+            # PyTorch's saved set priced by ckpt's models: why ckpt chose otherwise.
+            "pytorch_estimated_peak_bytes": estimate_step_peak(facts, pytorch_saved).step_bytes,
+            "ckpt_heavy_recomputed_ops": ckpt_heavy,
+            "ckpt_heavy_recompute_us": ckpt_heavy_us,
+            "pytorch_heavy_recomputed_ops": pytorch_heavy,
+            "pytorch_heavy_recompute_us": pytorch_heavy_us,
         },
         "ledger": {
             "parameters_bytes": sum(facts.nodes[n].nbytes for n in facts.static_inputs),
@@ -105,10 +117,11 @@ def render_markdown(report: dict) -> str:
         "|---|---|---|",
         f"| saved for backward | {_size(totals['ckpt_saved_bytes'])} | {_size(totals['pytorch_saved_bytes'])} |",
         f"| ops recomputed in backward | {totals['ckpt_recomputed_ops']} | {totals['pytorch_recomputed_ops']} |",
+        *_priced_rows(totals),
         "",
         f"- recompute writes {_size(totals['ckpt_recompute_bytes_written'])} (outputs of recomputed non-view ops, before fusion)",
         f"- memory budget: {_budget_line(totals)}",
-        f"- predicted step peak: {_size(totals['estimated_peak_bytes'])} (above parameters and inputs; partitioners/peak.py)",
+        _peak_line(totals),
         "",
         "## Values backward needs",
         "",
@@ -177,6 +190,38 @@ def _budget_line(totals: dict) -> str:
         f"{totals['estimated_budget_recompute_us']} us (cost model)"
         + (f"; {note}" if note else "")
     )
+
+
+def _heavy_recompute(facts, recomputed, graph) -> tuple[int, float]:
+    """How many matmul-class ops (the budget search's priced ones) backward
+    re-runs, and their cost-model time in microseconds."""
+    profile = profile_for(graph)
+    # A tuple op's getitems share its category; count and time the op once.
+    heavy = [
+        n for n in recomputed
+        if facts.nodes[n].category in PRICED_CATEGORIES and n.target is not operator.getitem
+    ]
+    return len(heavy), round(sum(estimate_runtime_s(n, profile) for n in heavy) * 1e6, 1)
+
+
+def _priced_rows(totals: dict) -> list[str]:
+    """Both plans priced by ckpt's models (absent from reports written before them)."""
+    if "pytorch_estimated_peak_bytes" not in totals:
+        return []
+    return [
+        f"| heavy ops recomputed (cost model) | {totals['ckpt_heavy_recomputed_ops']}, "
+        f"{totals['ckpt_heavy_recompute_us']} us | {totals['pytorch_heavy_recomputed_ops']}, "
+        f"{totals['pytorch_heavy_recompute_us']} us |",
+        f"| predicted step peak (ckpt's peak model) | {_size(totals['estimated_peak_bytes'])} | "
+        f"{_size(totals['pytorch_estimated_peak_bytes'])} |",
+    ]
+
+
+def _peak_line(totals: dict) -> str:
+    if "pytorch_estimated_peak_bytes" in totals:
+        return ("- predicted step peak: above parameters and inputs (partitioners/peak.py); the PyTorch "
+                "column is ckpt's models applied to PyTorch's saved set")
+    return f"- predicted step peak: {_size(totals['estimated_peak_bytes'])} (above parameters and inputs; partitioners/peak.py)"
 
 
 def _size(nbytes: int) -> str:

@@ -3,6 +3,7 @@ import collections
 import copy
 import dataclasses
 import json
+import re
 
 import pytest
 import torch
@@ -61,6 +62,9 @@ def test_golden_mlp_under_a_byte_budget(ckpt_golden):
     )
     assert "memory budget: 0.00 MiB (3072 bytes), fits" in text
     assert "recomputed: compute-heavy op, to fit the memory budget" in text
+    # The totals price ckpt's heavy recomputation as the budget search did.
+    row_us = re.search(r"\| heavy ops recomputed \(cost model\) \| [1-9]\d*, ([\d.]+) us \|", text).group(1)
+    assert f"heavy ops recomputed for it: {row_us} us" in text
 
 
 def test_golden_gpt_with_dropout(gpt_run, request):
