@@ -199,11 +199,7 @@ def measure_memory(prep: Prepared, result: ModeResult, device: str) -> list[torc
     result.solve_s = _plans_sum(plans, "solve_time_s")
     result.fallback = next((p.fallback for p in plans if p.fallback), None)
 
-    prep.model.zero_grad(set_to_none=True)
-    with count_saved_bytes(list(prep.model.parameters()) + list(prep.args)) as saved:
-        loss = prep.runner.fn(*prep.args)
-    loss.backward()
-    result.saved_bytes = saved["bytes"]
+    result.saved_bytes = saved_bytes_of_step(prep)
     # Free the gradients first: the peak counts from parameters and inputs alone.
     prep.model.zero_grad(set_to_none=True)
     result.peak_bytes = peak_bytes(prep.step, device)
@@ -337,16 +333,35 @@ def run_case(
     return out
 
 
+def saved_bytes_of_step(prep: Prepared) -> int:
+    """Bytes autograd saves in one training step of ``prep`` (its plan's
+    fingerprint: another graph of the same model saves other bytes)."""
+    prep.model.zero_grad(set_to_none=True)
+    with count_saved_bytes(list(prep.model.parameters()) + list(prep.args)) as saved:
+        loss = prep.runner.fn(*prep.args)
+    loss.backward()
+    return saved["bytes"]
+
+
 def _time_interleaved(case, preps, results, settings, status) -> None:
     sync = _sync_fn(settings.device)
     for mode, prep in list(preps.items()):
         # Untimed: the resets between modes dropped Dynamo's cache, so this
-        # step recompiles (an Inductor cache hit, the graph was compiled before).
+        # step recompiles, and Dynamo may hand the frame another mode's
+        # cached graph (it did, for equal backends): the step must save
+        # what the measured one saved, or its times would be another plan's.
         status(mode, "warm-up")
         try:
-            prep.step()
+            timed_saved = saved_bytes_of_step(prep)
         except Exception as exc:
             results[mode].error = f"timing: {_error(exc)}"
+            del preps[mode]
+            continue
+        if timed_saved != results[mode].saved_bytes:
+            results[mode].error = (
+                f"timing: the recompiled graph saves {timed_saved} bytes, not the {results[mode].saved_bytes} "
+                "measured, so it is another plan; step times dropped"
+            )
             del preps[mode]
     for _ in range(settings.repeats):
         for mode, prep in preps.items():  # interleaved: drift hits every mode alike

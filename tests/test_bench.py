@@ -213,6 +213,28 @@ def test_eager_cap_search_through_the_harness():
     assert smaller.modes[0].cap_throughput > 0
 
 
+def test_timing_drops_a_mode_whose_recompiled_graph_saves_other_bytes():
+    """The timed steps must run the measured plan: a warm-up step that saves
+    other bytes (Dynamo handed the frame another mode's graph) drops the
+    mode's times with an error that says so."""
+    from bench.harness import ModeResult, _time_interleaved, prepare, saved_bytes_of_step
+
+    case = cases.builtin_case("mlp", "quick")
+    torch.manual_seed(0)
+    base = case.build()
+    modes = [Mode("eager"), Mode("eager+checkpoint")]
+    preps = {mode: prepare(case, base, mode, case.batch, "cpu") for mode in modes}
+    results = {mode: ModeResult(str(mode), case.batch) for mode in modes}
+    results[modes[0]].saved_bytes = saved_bytes_of_step(preps[modes[0]])
+    results[modes[1]].saved_bytes = saved_bytes_of_step(preps[modes[0]])  # another mode's bytes
+    assert results[modes[1]].saved_bytes != saved_bytes_of_step(preps[modes[1]])
+    _time_interleaved(case, preps, results, Settings(repeats=2), lambda mode, phase: None)
+    kept, dropped = results[modes[0]], results[modes[1]]
+    assert kept.error is None and len(kept.step_times_s) == 2
+    assert dropped.step_times_s == [] and dropped.step_s is None
+    assert dropped.error.startswith("timing: the recompiled graph saves") and "another plan" in dropped.error
+
+
 def test_real_models_are_skipped_with_a_note_when_absent():
     from bench import real
 
