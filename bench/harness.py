@@ -275,6 +275,12 @@ def _error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
 
 
+# Every compiled mode keeps its own entry in Dynamo's cache of the model's
+# forward (each has a backend of its own); past Dynamo's default limit of 8
+# entries, a 9th mode would run eagerly.
+RECOMPILE_LIMIT = 64
+
+
 def run_case(
     case: Case,
     modes: list[Mode],
@@ -285,6 +291,11 @@ def run_case(
 ) -> CaseResult:
     """Measure ``case`` under every mode. ``speed=False`` skips timing and the
     cap search (the depth sweep); ``bar`` is a tqdm bar advanced per mode."""
+    with torch._dynamo.config.patch(recompile_limit=max(RECOMPILE_LIMIT, 2 * len(modes))):
+        return _run_case(case, modes, settings, bar, speed, grads)
+
+
+def _run_case(case: Case, modes: list[Mode], settings: Settings, bar, speed: bool, grads: bool) -> CaseResult:
     device = settings.device
     out = CaseResult(case.name, case.description, case.unit, case.batch, case.reference)
     results = {mode: ModeResult(str(mode), case.batch) for mode in modes}

@@ -126,6 +126,8 @@ class Outcome:
     (``compare_with_pytorch``) and ckpt did not fall back."""
     pytorch_error: str | None = None
     """Why PyTorch's decisions could not be read, when they were asked for."""
+    device_profile: str | None = None
+    """The cost model's device profile the plan was priced with (None: the graph's device)."""
 
 
 class CkptPartitioner(compat.CustomPartitionerFn):
@@ -179,7 +181,7 @@ class CkptPartitioner(compat.CustomPartitionerFn):
             fingerprint = check_same_plan_on_all_ranks(joint_gm.graph, plan)
             plan = dataclasses.replace(plan, fingerprint=fingerprint)
             result = dataclasses.replace(result, plan=plan)
-        outcome = Outcome(plan, result)
+        outcome = Outcome(plan, result, device_profile=self.config.device_profile)
         if self.compare_with_pytorch and result is not None:
             outcome = _with_pytorch_decisions(outcome, joint_gm, joint_inputs, kwargs)
         if self.on_outcome is not None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import operator
 import pathlib
 
@@ -64,8 +65,9 @@ def build_report(outcome: Outcome) -> dict:
             "pytorch": SAVED if node in pytorch_saved else RECOMPUTED if node in pytorch_recomputed else NOT_KEPT,
         })
     recomputed = [n for n in facts.nodes if decisions.get(n.name) and decisions[n.name].decision == RECOMPUTED]
-    ckpt_heavy, ckpt_heavy_us = _heavy_recompute(facts, recomputed, graph)
-    pytorch_heavy, pytorch_heavy_us = _heavy_recompute(facts, pytorch_recomputed, graph)
+    profile = profile_for(graph, outcome.device_profile)
+    ckpt_heavy, ckpt_heavy_us = _heavy_recompute(facts, recomputed, profile)
+    pytorch_heavy, pytorch_heavy_us = _heavy_recompute(facts, pytorch_recomputed, profile)
     report = {
         "fallback": None,
         "values": values,
@@ -192,16 +194,15 @@ def _budget_line(totals: dict) -> str:
     )
 
 
-def _heavy_recompute(facts, recomputed, graph) -> tuple[int, float]:
-    """How many matmul-class ops (the budget search's priced ones) backward
-    re-runs, and their cost-model time in microseconds."""
-    profile = profile_for(graph)
-    # A tuple op's getitems share its category; count and time the op once.
-    heavy = [
-        n for n in recomputed
-        if facts.nodes[n].category in PRICED_CATEGORIES and n.target is not operator.getitem
-    ]
-    return len(heavy), round(sum(estimate_runtime_s(n, profile) for n in heavy) * 1e6, 1)
+def _heavy_recompute(facts, recomputed, profile) -> tuple[int, float]:
+    """How many ops of the budget search's priced kinds (compute-heavy ops,
+    shrinking reductions) backward re-runs, and their time in microseconds
+    as the search prices it. A tuple op counts once; its getitems count in
+    the time, as in the search, so ckpt's figure under a budget equals the
+    budget line's."""
+    priced = [n for n in recomputed if facts.nodes[n].category in PRICED_CATEGORIES]
+    ops = sum(1 for n in priced if n.target is not operator.getitem)
+    return ops, round(math.fsum(estimate_runtime_s(n, profile) for n in priced) * 1e6, 1)
 
 
 def _priced_rows(totals: dict) -> list[str]:

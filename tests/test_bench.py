@@ -235,6 +235,21 @@ def test_timing_drops_a_mode_whose_recompiled_graph_saves_other_bytes():
     assert dropped.error.startswith("timing: the recompiled graph saves") and "another plan" in dropped.error
 
 
+def test_run_case_lets_every_compiled_mode_keep_its_own_cache_entry(monkeypatch):
+    """Each compiled mode has a backend of its own, so each keeps an entry in
+    Dynamo's cache of the model's forward: past the default limit of 8, the
+    sweep's 9th compiled mode ran eagerly. run_case lifts the limit."""
+    import bench.harness as harness
+
+    limits = []
+    monkeypatch.setattr(harness, "_time_interleaved",
+                        lambda *args: limits.append(torch._dynamo.config.recompile_limit))
+    default = torch._dynamo.config.recompile_limit
+    run_case(cases.builtin_case("mlp", "quick"), [Mode("eager")], Settings(repeats=1, probes=0))
+    assert limits == [harness.RECOMPILE_LIMIT] and harness.RECOMPILE_LIMIT > default
+    assert torch._dynamo.config.recompile_limit == default
+
+
 def test_real_models_are_skipped_with_a_note_when_absent():
     from bench import real
 
