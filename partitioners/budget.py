@@ -349,6 +349,17 @@ def pick_boundaries(facts: GraphFacts, spine: list[fx.Node], count: int) -> list
     return chosen
 
 
+def priced_runtimes(facts: GraphFacts, profile: DeviceProfile) -> dict[fx.Node, float]:
+    """Cost-model seconds of each forward op the budget search prices when
+    recomputed (compute-heavy ops, shrinking reductions; a tuple op's
+    getitems too, as they share its category)."""
+    return {
+        node: estimate_runtime_s(node, profile)
+        for node, node_facts in facts.nodes.items()
+        if node in facts.forward and node_facts.category in PRICED_CATEGORIES
+    }
+
+
 class _Search:
     """Min cuts over boundary families and recompute rates, counted."""
 
@@ -361,11 +372,7 @@ class _Search:
         self._family_plans = self._all_families()
         self._peak_path: list[BudgetSolution] = []
         """The lowest-peak family along the rates (lowest_peak's walk)."""
-        self.runtime = {
-            node: estimate_runtime_s(node, profile)
-            for node, node_facts in facts.nodes.items()
-            if node in facts.forward and node_facts.category in PRICED_CATEGORIES
-        }
+        self.runtime = priced_runtimes(facts, profile)
         # The rates at which a heavy op's price equals its bytes, nudged up
         # so that ties go to saving: between two of them the cut does not
         # change for lone ops, so these are the rates worth trying.

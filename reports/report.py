@@ -15,9 +15,9 @@ import pathlib
 import torch
 
 from partitioners.canonical import canonical_names, op_label, shape_of, structure_digest
-from partitioners.budget import PRICED_CATEGORIES
+from partitioners.budget import priced_runtimes
 from partitioners.classify import activation_bytes
-from partitioners.cost import estimate_runtime_s, profile_for
+from partitioners.cost import profile_for
 from partitioners.ops import OpCategory
 from partitioners.partition import Outcome
 from partitioners.peak import estimate_step_peak
@@ -65,9 +65,9 @@ def build_report(outcome: Outcome) -> dict:
             "pytorch": SAVED if node in pytorch_saved else RECOMPUTED if node in pytorch_recomputed else NOT_KEPT,
         })
     recomputed = [n for n in facts.nodes if decisions.get(n.name) and decisions[n.name].decision == RECOMPUTED]
-    profile = profile_for(graph, outcome.device_profile)
-    ckpt_heavy, ckpt_heavy_us = _heavy_recompute(facts, recomputed, profile)
-    pytorch_heavy, pytorch_heavy_us = _heavy_recompute(facts, pytorch_recomputed, profile)
+    runtimes = priced_runtimes(facts, profile_for(graph, outcome.device_profile))
+    ckpt_heavy, ckpt_heavy_us = _heavy_recompute(recomputed, runtimes)
+    pytorch_heavy, pytorch_heavy_us = _heavy_recompute(pytorch_recomputed, runtimes)
     report = {
         "fallback": None,
         "values": values,
@@ -119,11 +119,16 @@ def render_markdown(report: dict) -> str:
         "|---|---|---|",
         f"| saved for backward | {_size(totals['ckpt_saved_bytes'])} | {_size(totals['pytorch_saved_bytes'])} |",
         f"| ops recomputed in backward | {totals['ckpt_recomputed_ops']} | {totals['pytorch_recomputed_ops']} |",
-        *_priced_rows(totals),
+        f"| heavy ops recomputed (cost model) | {totals['ckpt_heavy_recomputed_ops']}, "
+        f"{totals['ckpt_heavy_recompute_us']} us | {totals['pytorch_heavy_recomputed_ops']}, "
+        f"{totals['pytorch_heavy_recompute_us']} us |",
+        f"| predicted step peak (ckpt's peak model) | {_size(totals['estimated_peak_bytes'])} | "
+        f"{_size(totals['pytorch_estimated_peak_bytes'])} |",
         "",
         f"- recompute writes {_size(totals['ckpt_recompute_bytes_written'])} (outputs of recomputed non-view ops, before fusion)",
         f"- memory budget: {_budget_line(totals)}",
-        _peak_line(totals),
+        "- predicted step peak: above parameters and inputs (partitioners/peak.py); the PyTorch "
+        "column is ckpt's models applied to PyTorch's saved set",
         "",
         "## Values backward needs",
         "",
@@ -194,35 +199,14 @@ def _budget_line(totals: dict) -> str:
     )
 
 
-def _heavy_recompute(facts, recomputed, profile) -> tuple[int, float]:
-    """How many ops of the budget search's priced kinds (compute-heavy ops,
-    shrinking reductions) backward re-runs, and their time in microseconds
-    as the search prices it. A tuple op counts once; its getitems count in
-    the time, as in the search, so ckpt's figure under a budget equals the
-    budget line's."""
-    priced = [n for n in recomputed if facts.nodes[n].category in PRICED_CATEGORIES]
+def _heavy_recompute(recomputed, runtimes: dict) -> tuple[int, float]:
+    """How many of the budget search's priced ops backward re-runs, and their
+    time in microseconds as the search prices it. A tuple op counts once; its
+    getitems count in the time, as in the search, so ckpt's figure under a
+    budget equals the budget line's."""
+    priced = [n for n in recomputed if n in runtimes]
     ops = sum(1 for n in priced if n.target is not operator.getitem)
-    return ops, round(math.fsum(estimate_runtime_s(n, profile) for n in priced) * 1e6, 1)
-
-
-def _priced_rows(totals: dict) -> list[str]:
-    """Both plans priced by ckpt's models (absent from reports written before them)."""
-    if "pytorch_estimated_peak_bytes" not in totals:
-        return []
-    return [
-        f"| heavy ops recomputed (cost model) | {totals['ckpt_heavy_recomputed_ops']}, "
-        f"{totals['ckpt_heavy_recompute_us']} us | {totals['pytorch_heavy_recomputed_ops']}, "
-        f"{totals['pytorch_heavy_recompute_us']} us |",
-        f"| predicted step peak (ckpt's peak model) | {_size(totals['estimated_peak_bytes'])} | "
-        f"{_size(totals['pytorch_estimated_peak_bytes'])} |",
-    ]
-
-
-def _peak_line(totals: dict) -> str:
-    if "pytorch_estimated_peak_bytes" in totals:
-        return ("- predicted step peak: above parameters and inputs (partitioners/peak.py); the PyTorch "
-                "column is ckpt's models applied to PyTorch's saved set")
-    return f"- predicted step peak: {_size(totals['estimated_peak_bytes'])} (above parameters and inputs; partitioners/peak.py)"
+    return ops, round(math.fsum(runtimes[n] for n in priced) * 1e6, 1)
 
 
 def _size(nbytes: int) -> str:
