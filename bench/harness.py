@@ -194,15 +194,17 @@ def measure_memory(prep: Prepared, result: ModeResult, device: str) -> list[torc
     result.compile_s = time.perf_counter() - start
     result.partitioner_s = _partitioner_seconds()
     grads = [None if p.grad is None else p.grad.detach().clone() for p in prep.model.parameters()]
-    plans = prep.runner.plans
-    result.plan_saved_bytes, result.predicted_peak_bytes = plan_estimates(prep.runner)
-    result.solve_s = _plans_sum(plans, "solve_time_s")
-    result.fallback = next((p.fallback for p in plans if p.fallback), None)
 
     result.saved_bytes = saved_bytes_of_step(prep)
     # Free the gradients first: the peak counts from parameters and inputs alone.
     prep.model.zero_grad(set_to_none=True)
     result.peak_bytes = peak_bytes(prep.step, device)
+    # Read after the steps: with a budget, the step view plans the graphs
+    # again after the first step, and the plans in force are the measured ones.
+    plans = prep.runner.plans
+    result.plan_saved_bytes, result.predicted_peak_bytes = plan_estimates(prep.runner)
+    result.solve_s = _plans_sum(plans, "solve_time_s")
+    result.fallback = next((p.fallback for p in plans if p.fallback), None)
     if device == "cpu":
         prep.model.zero_grad(set_to_none=True)
         result.ledger = measure_ledger(prep.model, prep.loss, inputs=prep.args)

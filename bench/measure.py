@@ -12,6 +12,9 @@ from collections.abc import Callable, Iterable
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from ckpt import step_view
+from partitioners import _torch_compat as compat
+
 
 def _storage_key(tensor: torch.Tensor) -> tuple:
     if hasattr(tensor, "to_local"):  # a DTensor: its shard owns the storage
@@ -56,16 +59,8 @@ class MemoryEvent:
 
 def memory_events(prof: profile, device_type: str = "cpu") -> list[MemoryEvent]:
     """The ``[memory]`` events of a finished profile on one device type, in
-    time order (ties keep the profiler's order). The one place that reads the
-    profiler's private event tree, which gives each event its address."""
-    events, stack = [], list(reversed(prof.profiler.kineto_results.experimental_event_tree()))
-    while stack:  # depth first, in the tree's order
-        node = stack.pop()
-        stack.extend(reversed(node.children))
-        fields = node.extra_fields
-        if node.name == "[memory]" and fields.device.type == device_type:
-            events.append(MemoryEvent(node.start_time_ns, fields.ptr, fields.alloc_size))
-    return sorted(events, key=lambda e: e.time_ns)
+    time order (ties keep the profiler's order)."""
+    return [MemoryEvent(*event) for event in compat.memory_events(prof, device_type)]
 
 
 def peak_of(events: list[MemoryEvent]) -> tuple[int, int]:
@@ -85,6 +80,7 @@ def peak_cpu_bytes(fn: Callable[[], object]) -> int:
     Replays the profiler's ``[memory]`` events (+bytes on allocation, -bytes
     on free) in time order; the running maximum is the peak.
     """
+    step_view.current().finish_step()  # its own profiler of an ended step, if still running
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     return peak_of(memory_events(prof))[0]

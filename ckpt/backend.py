@@ -14,6 +14,8 @@ from partitioners.partition import CkptPartitioner, Outcome, warn_once
 from partitioners.plan import Plan
 from reports.report import build_report, write_report
 
+from .step_view import PlannedGraph, current as current_step_view
+
 PARTITIONER_OPTION = "custom_partitioner_fn"
 """The Inductor option through which ckpt plugs in; ckpt sets it itself."""
 
@@ -34,7 +36,8 @@ class CompileTimeConfigError(ConfigError, compat.ShortenTraceback):
 
 class CkptBackend:
     """A torch.compile backend; ``plans`` lists the Plan of every graph it
-    partitioned, and ``reports`` the report of each when ``report_dir`` is set.
+    partitioned (a graph the step view planned again: the plan in force),
+    and ``reports`` the report of each when ``report_dir`` is set.
 
     A graph served from Inductor's cache was partitioned in an earlier
     process and adds no Plan.
@@ -65,20 +68,51 @@ class CkptBackend:
             # Raised here, a setting error would reach the user as the second
             # line of Dynamo's BackendCompilerFailed; this class passes through.
             raise CompileTimeConfigError(str(error), inspect.currentframe()) from None
-        partitioner = self.make_partitioner(config)
-        return compat.compile_fx_near_fusion_in_backward(
-            gm, example_inputs, config_patches={**patches, PARTITIONER_OPTION: partitioner}
+        if config.memory_budget is None or not config.step_planning:
+            partitioner = self.make_partitioner(config)
+            return compat.compile_fx_near_fusion_in_backward(
+                gm, example_inputs, config_patches={**patches, PARTITIONER_OPTION: partitioner},
+                uncached=partitioner.uuid() is None,
+            )
+        # A budget is the step's: plans are chosen, and re-chosen, by the step view.
+        if config.report_dir is not None:
+            current_step_view().report_dir = config.report_dir
+        planned = PlannedGraph(
+            gm, functools.partial(self._compile_plan, config, patches), config.memory_budget, config.measure_steps
         )
+        return planned.compile_first(example_inputs)
 
-    def make_partitioner(self, config: Config | None = None) -> CkptPartitioner:
+    def _compile_plan(self, config: Config, patches: dict, gm, example_inputs, step, sizes, replaces=None):
+        """Compile ``gm`` with a plan for ``step`` at ``sizes``; returns
+        Inductor's callable and the Plan (None if no graph was partitioned:
+        an inference graph). The new Plan takes the place of the one it
+        ``replaces`` in ``plans``, which lists the plans in force."""
+        before = len(self.plans)
+        partitioner = self.make_partitioner(config, step=step, sizes=sizes)
+        compiled = compat.compile_fx_near_fusion_in_backward(
+            gm, example_inputs, config_patches={**patches, PARTITIONER_OPTION: partitioner}, uncached=True
+        )
+        if len(self.plans) == before:
+            return compiled, None
+        plan = self.plans[-1]
+        old = next((i for i, p in enumerate(self.plans[:-1]) if p is replaces), None)
+        if old is not None:
+            self.plans[old] = self.plans.pop()
+        return compiled, plan
+
+    def make_partitioner(self, config: Config | None = None, *, step=None, sizes=None) -> CkptPartitioner:
         """The partitioner one compile hands Inductor: it records each graph's
         Plan here and, with ``report_dir`` set, asks for PyTorch's decisions
-        too and writes the graph's report."""
+        too and writes the graph's report. ``step`` and ``sizes``: what the
+        step view plans the graph for."""
         config = self.config if config is None else config
         return CkptPartitioner(
             config,
             on_outcome=functools.partial(self._record, config.report_dir),
             compare_with_pytorch=config.report_dir is not None,
+            step=step,
+            step_planning=config.memory_budget is not None and config.step_planning,
+            sizes=sizes,
         )
 
     def _record(self, report_dir: str | None, outcome: Outcome) -> None:

@@ -5,7 +5,13 @@ function it wraps; keep them thin.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import dataclasses
+
 import torch
+import torch._functorch.config
+import torch._guards
 import torch.fx as fx
 from torch._functorch import partitioners as _torch_partitioners
 from torch._functorch._aot_autograd import utils as _aot_utils
@@ -35,10 +41,14 @@ __all__ = [
     "CustomPartitionerFn",
     "OpOverload",
     "ShortenTraceback",
+    "SizeSymbol",
+    "after_backward",
     "compile_fx",
     "compile_fx_near_fusion_in_backward",
     "cse",
+    "current_tracing_context",
     "default_store",
+    "example_inputs_of",
     "extract_forward_backward",
     "get_hash_for_files",
     "hint_int",
@@ -51,11 +61,16 @@ __all__ = [
     "is_sym_node",
     "is_tangent",
     "is_with_effects",
+    "memory_events",
     "module_stack",
     "must_be_in_backward",
     "must_be_in_forward",
+    "planning_at",
+    "profiler_active",
     "raise_getitems",
+    "recompile_in",
     "reorder_to_autograd_engine",
+    "size_symbols",
     "thread_graphsafe_rng_from_hops",
     "torch_default_partition",
     "flop_formula",
@@ -96,10 +111,144 @@ def module_stack(node: fx.Node) -> dict | None:
     return node.meta.get("nn_module_stack")
 
 
+_planned_sizes: contextvars.ContextVar[dict | None] = contextvars.ContextVar("ckpt_planned_sizes", default=None)
+
+
 def hint_int(value: int | torch.SymInt) -> int:
-    """A concrete int for a possibly symbolic size (the traced example's value)."""
+    """A concrete int for a possibly symbolic size: the traced example's
+    value, or inside ``planning_at`` the size planned for."""
+    sizes = _planned_sizes.get()
+    if sizes and isinstance(value, torch.SymInt):
+        expr = value.node.expr
+        hints = _hints(value.node.shape_env)
+        mapping = {s: sizes.get(str(s), hints.get(s, 4096)) for s in expr.free_symbols}
+        return int(expr.xreplace(mapping))
     # 4096 is torch's own fallback for unbacked sizes (partitioners._size_of).
     return int(optimization_hint(value, fallback=4096))
+
+
+def _hints(shape_env) -> dict:
+    """The ShapeEnv's example value of each backed symbol (2.13 renamed the map)."""
+    return getattr(shape_env, "backed_var_to_val", None) or shape_env.var_to_val
+
+
+@contextlib.contextmanager
+def planning_at(sizes: dict[str, int] | None):
+    """Inside the block, ``hint_int`` reads the symbols named in ``sizes``
+    (``{"s0": 512}``) at those values: a dynamic graph planned for its
+    largest size, not the first example's."""
+    token = _planned_sizes.set(dict(sizes) if sizes else None)
+    try:
+        yield
+    finally:
+        _planned_sizes.reset(token)
+
+
+@dataclasses.dataclass(frozen=True)
+class SizeSymbol:
+    """A dynamic size of a Dynamo graph: where its runtime value is read
+    (placeholder index, and tensor dimension or None for a SymInt input),
+    its example value and its declared upper bound (None: unbounded)."""
+
+    name: str
+    placeholder: int
+    dim: int | None
+    hint: int
+    upper: int | None
+
+
+def size_symbols(gm: fx.GraphModule) -> list[SizeSymbol]:
+    """The plain symbols among a Dynamo graph's input sizes, each once, with
+    where to read it from the call's arguments."""
+    import sympy
+
+    found: dict[str, SizeSymbol] = {}
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for index, node in enumerate(placeholders):
+        value = node.meta.get("example_value", node.meta.get("val"))
+        if isinstance(value, torch.SymInt):
+            places = [(None, value)]
+        elif isinstance(value, torch.Tensor):
+            places = list(enumerate(value.shape))
+        else:
+            continue
+        for dim, size in places:
+            if not isinstance(size, torch.SymInt) or not isinstance(size.node.expr, sympy.Symbol):
+                continue
+            symbol = size.node.expr
+            if str(symbol) in found:
+                continue
+            shape_env = size.node.shape_env
+            value_range = shape_env.var_to_range.get(symbol)
+            found[str(symbol)] = SizeSymbol(
+                str(symbol), index, dim, int(_hints(shape_env).get(symbol, 0)),
+                _finite_bound(value_range.upper) if value_range is not None else None,
+            )
+    return list(found.values())
+
+
+def _finite_bound(upper) -> int | None:
+    """A declared upper bound as an int; None for none (Dynamo's int_oo, or
+    the sys.maxsize it uses for sizes it knows nothing of)."""
+    import sympy
+
+    if not isinstance(upper, (int, sympy.Integer)):  # int_oo says it is finite
+        return None
+    bound = int(upper)
+    return bound if bound < 2**62 else None
+
+
+def current_tracing_context():
+    """Dynamo's tracing context of the graph being compiled (None outside)."""
+    return torch._guards.TracingContext.try_get()
+
+
+def recompile_in(tracing_context, compile_graph):
+    """Run ``compile_graph()`` inside Dynamo's tracing context of the
+    original compile, as Dynamo itself recompiles a graph for a
+    specialization at run time (output_graph.py, specialized_dispatch)."""
+    if tracing_context is None:
+        return compile_graph()
+    with torch._guards.tracing(tracing_context):
+        return compile_graph()
+
+
+def example_inputs_of(gm: fx.GraphModule) -> list:
+    """A Dynamo graph's fake example inputs (its placeholders' example
+    values, symbolic sizes included), to compile it again without holding
+    the real tensors of its first call."""
+    values = []
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            values.append(node.meta.get("example_value", node.meta.get("val")))
+    return values
+
+
+def after_backward(callback) -> None:
+    """Run ``callback()`` when the autograd engine finishes the backward
+    pass that is running now (call from a backward hook)."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+def profiler_active() -> bool:
+    """Whether a torch profiler is recording (its memory events must not be
+    taken from under it)."""
+    return bool(torch.autograd.profiler._is_profiler_enabled)
+
+
+def memory_events(prof, device_type: str = "cpu") -> list[tuple[int, int, int]]:
+    """``(time_ns, address, bytes)`` of a finished profile's ``[memory]``
+    events on one device type, in time order (ties keep the profiler's
+    order; bytes are negative for frees). Reads the profiler's private
+    event tree, which gives each event its address."""
+    events, stack = [], list(reversed(prof.profiler.kineto_results.experimental_event_tree()))
+    while stack:  # depth first, in the tree's order
+        node = stack.pop()
+        stack.extend(reversed(node.children))
+        fields = node.extra_fields
+        if node.name == "[memory]" and fields.device.type == device_type:
+            events.append((node.start_time_ns, fields.ptr, fields.alloc_size))
+    return sorted(events, key=lambda e: e[0])
 
 
 def cse(gm: fx.GraphModule) -> None:
@@ -238,13 +387,15 @@ class _NearHorizontalFusion(InductorChoices):
         return written * REDUCTION_RATIO <= largest_read
 
 
-def compile_fx_near_fusion_in_backward(gm: fx.GraphModule, example_inputs, config_patches: dict):
+def compile_fx_near_fusion_in_backward(gm: fx.GraphModule, example_inputs, config_patches: dict,
+                                       uncached: bool = False):
     """Inductor's ``compile_fx``, whose backward graphs fuse far-apart kernels
     that only share inputs when the later is a reduction (forward graphs are
     compiled as Inductor would).
 
-    The backward graph is compiled lazily, at the first backward, outside
-    this call: the rule goes in through ``inner_compile``, which Inductor
+    ``uncached``: neither Inductor's nor AOTAutograd's cache serves or
+    keeps the graph. The backward graph is compiled lazily, at the first
+    backward, outside this call: the rule goes in through ``inner_compile``, which Inductor
     calls for both graphs. The partitioner's uuid covers this file, so a
     cached graph never crosses the rule.
     """
@@ -255,4 +406,11 @@ def compile_fx_near_fusion_in_backward(gm: fx.GraphModule, example_inputs, confi
         with V.set_choices_handler(_NearHorizontalFusion()):
             return compile_fx_inner(graph, inputs, **kwargs)
 
-    return compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=config_patches)
+    if not uncached:
+        return compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=config_patches)
+    # Inductor keys its caches by the partitioner's uuid, and a None uuid is
+    # a key like any other: a graph whose partition must run (to report it,
+    # or for the step view to learn its plan) turns both caches off.
+    patches = {**config_patches, "fx_graph_cache": False, "fx_graph_remote_cache": False}
+    with torch._functorch.config.patch(enable_autograd_cache=False, enable_remote_autograd_cache=False):
+        return compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=patches)

@@ -201,6 +201,18 @@ class Config:
     the least estimated recompute time. None: the runtime-optimal plan.
     Strings and numbers given here are parsed alike."""
 
+    step_planning: bool = dataclasses.field(default=True, metadata={"parse": _parse_bool})
+    """With a memory budget, plan each graph for its place in the training
+    step (``CKPT_STEP_PLANNING``): the first step is learnt (which graphs run,
+    how often), its graphs are planned again for the step's peak, and a
+    dynamic graph gets one plan per size bucket. Off: each graph is planned
+    as if it were the whole step (as before)."""
+
+    measure_steps: bool = dataclasses.field(default=True, metadata={"parse": _parse_bool})
+    """With step planning, measure the first steps' peak (CUDA's counter, on
+    CPU the profiler's memory events) and correct the peak model by it where
+    a ``peak:`` cap is broken (``CKPT_MEASURE_STEPS``). Off: the model alone."""
+
     device_profile: str | None = dataclasses.field(
         default=None, metadata={"parse": _parse_device_profile}
     )

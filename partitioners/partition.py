@@ -25,6 +25,7 @@ from .budget import resolve_peak_target, solve_with_budget
 from .cost import profile_for
 from .plan import Plan, build_plan
 from .rank_sync import check_same_plan_on_all_ranks
+from .step import StepContext
 
 _PROJECT_ROOT = pathlib.Path(__file__).resolve().parent.parent
 # Source that decides what a compile produces; part of the cache key.
@@ -50,9 +51,14 @@ def partition(
     num_fwd_outputs: int,
     static_lifetime_input_indices: list[int] | None = None,
     config: Config = Config(),
+    step: StepContext | None = None,
+    sizes: dict[str, int] | None = None,
 ) -> Partition:
-    """Plan, then build the forward and backward modules from the plan."""
-    facts, solution = _decide(joint_gm, num_fwd_outputs, static_lifetime_input_indices, config)
+    """Plan, then build the forward and backward modules from the plan;
+    ``step``: the training step the graph runs in (partitioners/step.py);
+    ``sizes``: dynamic sizes to plan at (``{"s0": 512}``; else the example's)."""
+    with compat.planning_at(sizes):
+        facts, solution = _decide(joint_gm, num_fwd_outputs, static_lifetime_input_indices, config, step)
     order = {node: i for i, node in enumerate(joint_gm.graph.nodes)}
     saved = sorted(solution.saved, key=order.__getitem__)
     # AOTAutograd passes tensors, SymInts and opaque handles to backward
@@ -71,10 +77,10 @@ def partition(
     )
     fwd = run_passes(partitioned_passes.FORWARD, fwd)
     bwd = run_passes(partitioned_passes.BACKWARD, bwd)
-    return Partition(fwd, bwd, _plan(facts, saved, solution, config), facts)
+    return Partition(fwd, bwd, _plan(facts, saved, solution, config, step), facts)
 
 
-def _decide(joint_gm, num_fwd_outputs, static_lifetime_input_indices, config: Config):
+def _decide(joint_gm, num_fwd_outputs, static_lifetime_input_indices, config: Config, step=None):
     run_passes(joint_passes.BEFORE_DECIDING, joint_gm)  # in place: joint_gm is the cleaned graph
     facts = classify(
         joint_gm,
@@ -83,14 +89,16 @@ def _decide(joint_gm, num_fwd_outputs, static_lifetime_input_indices, config: Co
     )
     profile = profile_for(joint_gm.graph, config.device_profile)
     peak_target = resolve_peak_target(config.memory_budget, joint_gm.graph)
-    return facts, solve_with_budget(facts, config.memory_budget, profile, peak_target)
+    return facts, solve_with_budget(facts, config.memory_budget, profile, peak_target, step)
 
 
-def _plan(facts, saved, solution, config: Config) -> Plan:
+def _plan(facts, saved, solution, config: Config, step: StepContext | None) -> Plan:
     plan = build_plan(facts, saved, solution)
     if config.memory_budget is None:
         return plan
-    return dataclasses.replace(plan, budget=str(config.memory_budget))
+    return dataclasses.replace(
+        plan, budget=str(config.memory_budget), step=None if step is None else step.describe()
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,10 +154,16 @@ class CkptPartitioner(compat.CustomPartitionerFn):
         on_outcome: Callable[[Outcome], None] | None = None,
         *,
         compare_with_pytorch: bool = False,
+        step: StepContext | None = None,
+        step_planning: bool = False,
+        sizes: dict[str, int] | None = None,
     ):
         self.config = config
         self.on_outcome = on_outcome
         self.compare_with_pytorch = compare_with_pytorch
+        self.step = step
+        self.step_planning = step_planning
+        self.sizes = sizes
 
     def __call__(self, joint_gm: fx.GraphModule, joint_inputs, **kwargs):
         result = None
@@ -159,6 +173,8 @@ class CkptPartitioner(compat.CustomPartitionerFn):
                 num_fwd_outputs=kwargs["num_fwd_outputs"],
                 static_lifetime_input_indices=kwargs.get("static_lifetime_input_indices"),
                 config=self.config,
+                step=self.step,
+                sizes=self.sizes,
             )
             fwd, bwd, plan = result.forward, result.backward, result.plan
         except ConfigError:
@@ -190,8 +206,9 @@ class CkptPartitioner(compat.CustomPartitionerFn):
 
     def uuid(self) -> str | None:
         # A graph served from Inductor's cache is never partitioned, so it
-        # could not be compared with PyTorch's: when asked to, skip the cache.
-        if self.compare_with_pytorch:
+        # could not be compared with PyTorch's, and the step view would not
+        # learn its plan: when asked for either, skip the cache.
+        if self.compare_with_pytorch or self.step_planning:
             return None
         return _uuid(self.config)
 

@@ -104,6 +104,10 @@ class PeakEstimate:
     tangent_bytes: int = 0
     """What backward is handed: gradients of forward's outputs, returned by
     the graphs that ran after this one (counted in ``backward_bytes``)."""
+    held_input_bytes: int = 0
+    """Batch inputs (not parameters) saved for backward: free within this
+    graph, whose caller holds them, but kept for the step when an earlier
+    graph produced them (a block's input under per-block compile)."""
 
     @property
     def step_bytes(self) -> int:
@@ -128,7 +132,13 @@ def estimate_step_peak(facts: GraphFacts, saved, backward_trace: list | None = N
         output_bytes=sum(facts.nodes[n].nbytes for n in outputs - held),
         gradient_bytes=sum(facts.nodes[n].nbytes for n in gradients - facts.free_inputs),
         tangent_bytes=sum(facts.nodes[n].nbytes for n in tangents),
+        held_input_bytes=sum(facts.nodes[n].nbytes for n in _saved_batch_inputs(facts, saved)),
     )
+
+
+def _saved_batch_inputs(facts: GraphFacts, saved: set[fx.Node]) -> set[fx.Node]:
+    roots = {facts.nodes[node].storage_root for node in saved}
+    return roots & (facts.free_inputs - facts.static_inputs)
 
 
 def _outputs(facts: GraphFacts) -> set[fx.Node]:

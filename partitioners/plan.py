@@ -52,6 +52,9 @@ class Plan:
     budget_note: str | None = None
     """Why the plan saves what it does when the budget alone does not say
     (a fraction that stopped at the plan of lowest predicted peak)."""
+    step: str | None = None
+    """The training step the plan was judged in (ckpt/step_view.py), when
+    known: how often the graph runs in it, and the measured correction."""
     peak_estimate: PeakEstimate | None = None
     """The forward and backward peaks behind ``estimated_peak_bytes``, and what
     forward holds for backward (to compose the graphs of one step)."""

@@ -109,3 +109,34 @@ def _describe_mismatch(graph: str, rank: int, other: int, mine: list, theirs: li
         f"rank {other} {theirs_by_name.get(first, 'not kept')}. Every rank must run the "
         "same ckpt version and settings (CKPT_* variables) on the same model."
     )
+
+
+# Measured step peaks are compared by the step's name and number; counted
+# per name, like _compiles, so a repeated name gets fresh keys.
+_measurements: collections.Counter[str] = collections.Counter()
+
+
+def largest_on_all_ranks(name: str, value: int) -> int:
+    """The largest ``value`` any rank of the process group reports under
+    ``name`` (``value`` itself without a process group): a measurement every
+    rank then decides from alike. Waits at most WAIT_FOR_OTHERS."""
+    store = compat.default_store()
+    if store is None:
+        return value
+    import torch.distributed as dist
+
+    _measurements[name] += 1
+    prefix = f"ckpt/measured/{name}/{_measurements[name]}"
+    rank, world = dist.get_rank(), dist.get_world_size()
+    store.set(f"{prefix}/{rank}", str(int(value)))
+    keys = [f"{prefix}/{r}" for r in range(world)]
+    try:
+        store.wait(keys, WAIT_FOR_OTHERS)
+    except Exception:  # the store raises its own timeout types
+        warnings.warn(
+            f"ckpt: not every rank reported its measured step {name} within {WAIT_FOR_OTHERS}; "
+            "this rank plans from its own measurement",
+            stacklevel=2,
+        )
+        return value
+    return max(int(store.get(key)) for key in keys)

@@ -210,3 +210,4 @@ def lone_fallback(rank, world, port, out):
     """Only rank 1 fails to partition: both ranks must stop, not run apart."""
     _tp_mlp_step_error(rank, world, port, out, "lone_fallback", strict=False,
                        break_rank_1=_make_partitioning_fail)
+

@@ -81,3 +81,4 @@ def test_a_lone_fallback_stops_every_rank(tmp_path):
             r"for graph \w+ \(RuntimeError: injected failure\)",
             result["error"],
         ), result["error"]
+

@@ -25,6 +25,7 @@ ORDER = [
     "partitioners.classify",
     "partitioners.mincut",
     "partitioners.peak",
+    "partitioners.step",
     "partitioners.budget",
     "partitioners.plan",
     "partitioners.rank_sync",

@@ -1,0 +1,445 @@
+"""The step view: which compiled graphs make up one training step, and
+plans chosen for the step's peak, not each graph's alone.
+
+With a memory budget, the backend hands Dynamo a ``PlannedGraph`` for each
+graph it compiles. Its calls are recorded: a step is the calls between two
+ends of backward (the autograd engine tells when backward ends). After the
+first step, each graph of that step is planned again for its place in it
+(partitioners/step.py): how often it runs, what the step's other graphs hold
+meanwhile. The first steps are also measured (peak bytes allocated from the
+step's first graph call to the end of its backward: CUDA's peak counter, on
+CPU the profiler's memory events), and where the prediction was off the
+model is corrected by the measured ratio and the graphs planned again, at
+most ``MAX_CORRECTIONS`` times. Ranks take the largest of their
+measurements, so they plan alike.
+
+Re-planning is a recompile inside ckpt's compiled callable, before the
+call that needs it runs, in the tracing context of the graph's Dynamo
+compile, as Dynamo itself recompiles a graph for a specialization at run
+time. The same callable keeps one plan per size bucket of a dynamic graph
+(the next power of two of each dynamic size, or a declared
+``mark_dynamic(max=...)`` bound) and picks one by the sizes it is called
+with, so a longer batch gets a plan made for it before it runs. Every
+recompile is counted (``StepView.recompiles``).
+
+A plan is then a pure function of the graphs of the step, the config and
+the measurements (reduced across ranks), no longer of one graph alone.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import pathlib
+import sys
+import time
+
+import torch
+import torch.fx as fx
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from partitioners import _torch_compat as compat
+from partitioners.config import MemoryBudget
+from partitioners.plan import Plan
+from partitioners.rank_sync import largest_on_all_ranks
+from partitioners.step import GraphCost, StepContext, predicted_step_peak, step_context
+
+# A step measured over its cap is corrected and planned again at most this
+# many times (each costs a recompile of the step's graphs and a profiled step).
+MAX_CORRECTIONS = 2
+# Within this of the cap a measured step counts as holding it (the promise's
+# tolerance, see partitioners/budget.py MEASURED_MARGIN).
+CAP_TOLERANCE = 0.03
+# A step longer than this many graph calls without a backward is not a
+# training step (e.g. evaluation with autograd on): its record is dropped.
+MAX_CALLS = 100_000
+
+
+@dataclasses.dataclass(frozen=True)
+class Measurement:
+    """One measured step: the peak the model predicted for the plans that
+    ran, and the peak measured (the largest over ranks)."""
+
+    step: int
+    sequence_id: str
+    predicted_bytes: int
+    measured_bytes: int
+
+    @property
+    def ratio(self) -> float:
+        return self.measured_bytes / self.predicted_bytes if self.predicted_bytes else 1.0
+
+
+@dataclasses.dataclass
+class _Sequence:
+    """What the view knows of one kind of step (one sequence of graph calls)."""
+
+    correction: float = 1.0
+    measured: bool = False
+    corrections: int = 0
+    settled: bool = False
+
+
+class StepView:
+    """The graph calls of the running step, what each graph's plan costs, and
+    what each was planned for. One per process: the step is the process's."""
+
+    def __init__(self):
+        self.sequence: list[str] = []
+        self.costs: dict[str, GraphCost] = {}
+        self.plans: dict[str, Plan] = {}
+        self.budgets: dict[str, MemoryBudget] = {}
+        self.measuring: dict[str, bool] = {}
+        self.sequences: dict[tuple[str, ...], _Sequence] = {}
+        self.last_sequence: dict[str, tuple[str, ...]] = {}
+        self.ran: set[tuple[str, tuple]] = set()
+        """The graphs of the running step, each with what its plan was made for."""
+        self.measurements: list[Measurement] = []
+        self.fresh: set[str] = set()
+        """Graphs compiled since the last step: a step running one is not
+        measured (the backward graph compiles during the first backward,
+        and what compiling allocates is not the plan's)."""
+        self.steps = 0
+        self.recompiles = 0
+        self.report_dir: str | None = None
+        self._meter = None
+        self._ending = False
+        self._ended = None
+
+    # -- what a graph is planned for ------------------------------------------
+
+    def context_for(self, key: str, budget: MemoryBudget | None) -> tuple[StepContext | None, tuple]:
+        """The step ``key`` last ran in, as its plan should see it (None: not
+        seen in a finished step yet, or alone in it: plan it alone), and what
+        that context depends on (``planning_for``)."""
+        self.budgets[key] = budget
+        planned_for = self.planning_for(key)
+        if planned_for == (None, None):
+            return None, planned_for
+        sequence = self.last_sequence[key]
+        state = self.sequences[sequence]
+        return step_context(key, sequence, self.costs, state.correction, state.measured), planned_for
+
+    def planning_for(self, key: str) -> tuple:
+        """What a plan of ``key`` depends on beyond its graph: the step's
+        sequence when other calls share it, and the measured correction
+        when a peak cap is judged by it."""
+        sequence = self.last_sequence.get(key)
+        if sequence is None:
+            return (None, None)
+        state = self.sequences[sequence]
+        budget = self.budgets.get(key)
+        correction = state.correction if budget is not None and budget.is_peak and state.measured else None
+        return (sequence if len(sequence) > 1 else None, correction)
+
+    def record_plan(self, key: str, plan: Plan | None, measure: bool) -> None:
+        if plan is not None:
+            self.plans[key] = plan
+            self.costs[key] = GraphCost.of(plan.peak_estimate, plan.optimal_bytes)
+        self.measuring[key] = measure
+        self.fresh.add(key)
+
+    # -- the running step -----------------------------------------------------
+
+    def before_call(self, key: str) -> None:
+        if not self.sequence and not self._ending and self._wants_measurement(key):
+            self._meter = _start_meter()
+
+    def after_call(self, key: str, outputs, planned_for: tuple) -> None:
+        """Record a training call (one whose outputs need gradients) of a plan
+        made for ``planned_for``, and ask to hear when its backward ends."""
+        tensor = _first_requiring_grad(outputs)
+        if tensor is None:
+            return
+        if len(self.sequence) >= MAX_CALLS:
+            self._drop_step()
+        self.sequence.append(key)
+        self.ran.add((key, planned_for))
+        tensor.register_hook(self._on_gradient)
+
+    def _on_gradient(self, grad):
+        if not self._ending and self.sequence:
+            self._ending = True
+            compat.after_backward(self.end_step)
+        return None
+
+    def end_step(self) -> None:
+        """Backward ended: the step's calls are one sequence. Its measurement
+        is read at the next call (``finish_step``): the autograd engine
+        restores the profiler's thread state after its callbacks, so the
+        profiler cannot be stopped here; events after now are not counted."""
+        self._ending = False
+        sequence, self.sequence = tuple(self.sequence), []
+        ran, self.ran = self.ran, set()
+        if sequence:
+            self._ended = (sequence, ran, self._meter, time.time_ns())
+            self._meter = None
+
+    def finish_step(self) -> None:
+        """Measure the step that ended, if any, and mark what must be planned again."""
+        if self._ended is None:
+            return
+        (sequence, ran, meter, end_ns), self._ended = self._ended, None
+        self.steps += 1
+        state = self.sequences.setdefault(sequence, _Sequence())
+        for key in set(sequence):
+            self.last_sequence[key] = sequence
+        # Whether the plans that ran were made for this step, before the
+        # measurement below changes what they should be made for.
+        planned_for_it = all(planned_for == self.planning_for(key) for key, planned_for in ran)
+        measured = _stop_meter(meter, end_ns)
+        if self.fresh & set(sequence):
+            measured = None
+        self.fresh -= set(sequence)
+        if measured is not None:
+            measured = largest_on_all_ranks(f"step/{_sequence_id(sequence)}/{self.steps}", measured)
+            self._judge(sequence, state, measured, planned_for_it)
+        self._write_report()
+
+    def _judge(self, sequence: tuple[str, ...], state: _Sequence, measured: int, planned_for_it: bool) -> None:
+        """Correct the model by the measured ratio where the step needs plans
+        anyway (its first measurement) or broke its cap; settle otherwise."""
+        predicted = predicted_step_peak(sequence, self.costs)  # the model's own, uncorrected
+        self.measurements.append(Measurement(self.steps, _sequence_id(sequence), predicted, measured))
+        cap = self._cap(sequence)
+        over = cap is not None and measured > cap * (1 + CAP_TOLERANCE)
+        ratio = measured / predicted if predicted else 1.0
+        if planned_for_it and not over:
+            state.settled = True
+        elif not state.measured:
+            state.correction, state.measured = ratio, True
+        elif over and state.corrections < MAX_CORRECTIONS:
+            state.correction, state.corrections = ratio, state.corrections + 1
+        else:
+            state.settled = True  # corrected as often as allowed, or nothing to correct
+
+    def _cap(self, sequence) -> int | None:
+        caps = [b.peak_bytes for k in set(sequence) if (b := self.budgets.get(k)) is not None and b.peak_bytes]
+        return min(caps, default=None)
+
+    def _wants_measurement(self, key: str) -> bool:
+        if not self.measuring.get(key, False) or key in self.fresh or compat.profiler_active():
+            return False
+        sequence = self.last_sequence.get(key)
+        return sequence is None or not self.sequences[sequence].settled
+
+    def _drop_step(self) -> None:
+        self.sequence, self.ran = [], set()
+        _stop_meter(self._meter, time.time_ns())
+        self._meter = None
+
+    # -- what a reader sees ---------------------------------------------------
+
+    def describe(self) -> str:
+        """The step view as markdown: graphs, calls, predicted and measured peaks."""
+        self.finish_step()
+        lines = [
+            "# ckpt step view",
+            "",
+            f"steps seen: {self.steps}; recompiles for step plans: {self.recompiles}",
+            "",
+            "| step | sequence | predicted MiB | measured MiB | measured / predicted |",
+            "|---|---|---|---|---|",
+        ]
+        for m in self.measurements:
+            lines.append(
+                f"| {m.step} | {m.sequence_id} | {m.predicted_bytes / 2**20:.2f} | "
+                f"{m.measured_bytes / 2**20:.2f} | {m.ratio:.3f} |"
+            )
+        lines += ["", "| graph | plan made for | saved bytes | predicted step peak MiB |", "|---|---|---|---|"]
+        for key, plan in self.plans.items():
+            lines.append(
+                f"| {key} | {plan.step or 'the graph alone'} | {plan.saved_activation_bytes} | "
+                f"{plan.estimated_peak_bytes / 2**20:.2f} |"
+            )
+        return "\n".join(lines) + "\n"
+
+    def _write_report(self) -> None:
+        if self.report_dir is None:
+            return
+        folder = pathlib.Path(self.report_dir)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "step.md").write_text(self.describe())
+
+
+_view = StepView()
+
+
+def _before_optimizer_step(optimizer, args, kwargs):
+    # The step's backward is done: read its measurement now, before the
+    # optimizer allocates (its state, on the first step) or a profiler of
+    # the user's starts.
+    _view.finish_step()
+
+
+register_optimizer_step_pre_hook(_before_optimizer_step)
+
+
+def current() -> StepView:
+    """The process's step view."""
+    return _view
+
+
+def reset() -> StepView:
+    """Forget every step seen (as ``torch._dynamo.reset()`` forgets graphs)."""
+    global _view
+    _view = StepView()
+    return _view
+
+
+class PlannedGraph:
+    """What the backend hands Dynamo for one graph under a budget: Inductor's
+    compiled callable for the plan the step view asks for, one per size
+    bucket, recompiled when the view learns more of the step."""
+
+    def __init__(self, gm: fx.GraphModule, compile_plan, budget: MemoryBudget | None, measure: bool):
+        """``compile_plan(gm, example_inputs, step, sizes, replaces=plan)``
+        compiles the graph and returns (callable, Plan or None)."""
+        # Compiled again as it is, as Dynamo compiles a graph again for a
+        # specialization (a copy made with fx.GraphModule does not pickle
+        # into Inductor's cache keys).
+        self._graph = gm
+        self._compile_plan = compile_plan
+        self._tracing_context = compat.current_tracing_context()
+        self._budget = budget
+        self._measure = measure
+        self._symbols = compat.size_symbols(gm)
+        self.key = graph_key(gm, budget)
+        self._compiled: dict[tuple, object] = {}
+        self._plans: dict[tuple, Plan | None] = {}
+        self._planned_for: dict[tuple, tuple] = {}
+        """Per size bucket, what its plan was made for (StepView.planning_for)."""
+
+    def compile_first(self, example_inputs):
+        """Compile for the sizes of Dynamo's example (inside its compile)."""
+        self._compile(self._bucket_of_hints(), example_inputs)
+        return self
+
+    def __call__(self, *args):
+        # Dynamo calls a compiled graph with the arguments unpacked.
+        bucket = self._bucket_of(args)
+        key = self._plan_key(bucket)
+        view = current()
+        view.finish_step()
+        if bucket not in self._compiled or self._planned_for[bucket] != view.planning_for(key):
+            view.recompiles += 1
+            compat.recompile_in(
+                self._tracing_context,
+                lambda: self._compile(bucket, compat.example_inputs_of(self._graph)),
+            )
+        view.before_call(key)
+        outputs = self._compiled[bucket](*args)
+        view.after_call(key, outputs, self._planned_for[bucket])
+        return outputs
+
+    def _compile(self, bucket: tuple, example_inputs) -> None:
+        key = self._plan_key(bucket)
+        view = current()
+        context, planned_for = view.context_for(key, self._budget)
+        sizes = dict(bucket) if bucket else None
+        compiled, plan = self._compile_plan(
+            self._graph, example_inputs, context, sizes, replaces=self._plans.get(bucket)
+        )
+        self._plans[bucket] = plan
+        view.record_plan(key, plan, self._measure)
+        self._compiled[bucket], self._planned_for[bucket] = compiled, planned_for
+
+    def _plan_key(self, bucket: tuple) -> str:
+        if not bucket:
+            return self.key
+        return self.key + "@" + ",".join(f"{name}={size}" for name, size in bucket)
+
+    def _bucket_of_hints(self) -> tuple:
+        return tuple((s.name, _planned_size(s, s.hint)) for s in self._symbols)
+
+    def _bucket_of(self, args) -> tuple:
+        bucket = []
+        for symbol in self._symbols:
+            value = args[symbol.placeholder]
+            size = int(value) if symbol.dim is None else int(value.shape[symbol.dim])
+            bucket.append((symbol.name, _planned_size(symbol, size)))
+        return tuple(bucket)
+
+
+def _planned_size(symbol: compat.SizeSymbol, size: int) -> int:
+    """The size a plan for ``size`` is made at: the declared bound, or the
+    next power of two (one plan per bucket)."""
+    if symbol.upper is not None:
+        return symbol.upper
+    return 1 << max(size - 1, 0).bit_length()
+
+
+def graph_key(gm: fx.GraphModule, budget: MemoryBudget | None) -> str:
+    """A name for a Dynamo graph that is the same for the same code at the
+    same input shapes, in every process and on every rank."""
+    text = [gm.code, repr(budget)]
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            value = node.meta.get("example_value", node.meta.get("val"))
+            if isinstance(value, torch.Tensor):
+                text.append(f"{tuple(value.shape)}:{value.dtype}:{value.requires_grad}")
+            else:
+                text.append(type(value).__name__)
+    return "g" + hashlib.sha256("\n".join(text).encode()).hexdigest()[:10]
+
+
+def _sequence_id(sequence: tuple[str, ...]) -> str:
+    return "s" + hashlib.sha256(" ".join(sequence).encode()).hexdigest()[:8] + f"x{len(sequence)}"
+
+
+def _first_requiring_grad(outputs):
+    stack = [outputs]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, torch.Tensor):
+            if value.requires_grad:
+                return value
+        elif isinstance(value, (list, tuple)):
+            stack.extend(reversed(value))
+    return None
+
+
+def _start_meter():
+    """Start measuring the step's peak: CUDA's counter, or on CPU the
+    profiler's memory events."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.reset_peak_memory_stats()
+        return ("cuda", torch.cuda.memory_allocated())
+    from torch.profiler import ProfilerActivity, profile
+
+    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    _quietly(prof.__enter__)
+    return ("cpu", prof)
+
+
+def _stop_meter(meter, end_ns: int) -> int | None:
+    """The peak bytes above what was alive when ``meter`` started, up to
+    ``end_ns`` (the profiler's clock is Unix time)."""
+    if meter is None:
+        return None
+    kind, state = meter
+    if kind == "cuda":
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - state
+    _quietly(lambda: state.__exit__(None, None, None))
+    live = peak = 0
+    for time_ns, _, nbytes in compat.memory_events(state):
+        if time_ns > end_ns:
+            break
+        live += nbytes
+        peak = max(peak, live)
+    return peak
+
+
+def _quietly(action):
+    """Run ``action`` with the process's stderr closed: the profiler's native
+    code prints a line at each start and stop."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 2)
+            return action()
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)

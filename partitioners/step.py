@@ -1,0 +1,154 @@
+"""The training step a graph is planned for: what the step's other compiled
+graphs hold while it runs.
+
+A step is the sequence of compiled-graph calls between two ends of backward
+(forward order; a block graph compiled once may be called once per layer).
+Call ``k`` of a graph keeps ``held`` bytes (its saved values) from its
+forward to its backward, so while call ``k`` runs, every earlier call's held
+bytes are alive, and during its backward every later call's gradients too.
+The step's predicted peak is the largest, over the calls, of
+
+    held bytes of the earlier calls + max(own forward peak,
+                                          own backward peak + later calls' gradients)
+
+(the additive model of DESIGN.md). A graph planned in a step sees the other
+graphs' calls as constants and its own calls through its plan: for a block
+among many, a saved byte costs once per call.
+
+Pure functions of the step's sequence and the graphs' costs: every rank that
+saw the same step plans the same.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+
+from .peak import PeakEstimate
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphCost:
+    """What one call of a graph costs the step, from its plan's peak estimate."""
+
+    held_bytes: int
+    """Kept from its forward to its backward: saved values, saved batch inputs."""
+    forward_bytes: int
+    backward_bytes: int
+    gradient_bytes: int
+    """What its backward leaves alive for the rest of backward."""
+    optimal_bytes: int = 0
+    """Saved bytes of its runtime-optimal plan (a byte budget's share)."""
+
+    @classmethod
+    def of(cls, peak: PeakEstimate | None, optimal_bytes: int = 0) -> "GraphCost":
+        if peak is None:  # a fallback plan: nothing known, the measurement corrects
+            return cls(0, 0, 0, 0, optimal_bytes)
+        return cls(
+            peak.held_bytes + peak.held_input_bytes,
+            peak.forward_bytes,
+            peak.backward_bytes,
+            peak.gradient_bytes,
+            optimal_bytes,
+        )
+
+    def call_peak(self, later_gradients: int) -> int:
+        return max(self.forward_bytes, self.backward_bytes + later_gradients)
+
+
+@dataclasses.dataclass(frozen=True)
+class Moment:
+    """One call of the step, as the graph being planned sees it."""
+
+    held_before: int
+    """Held bytes of the other graphs' earlier calls."""
+    own_before: int
+    """This graph's earlier calls (each holds the plan's held bytes)."""
+    own: bool
+    """A call of this graph: its own peak adds; otherwise ``peak`` does."""
+    peak: int = 0
+    later_gradients: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class StepContext:
+    """What a graph's plan is judged against: the step's moments, how often
+    the graph runs in it, and the measured correction of the peak model."""
+
+    moments: tuple[Moment, ...]
+    calls: int
+    correction: float = 1.0
+    """Measured over predicted step peak, from the first steps (1.0: not measured)."""
+    measured: bool = False
+    byte_share: float = 1.0
+    """This graph's share of a byte budget per call: its runtime-optimal
+    saved bytes over the step's (a byte budget is the step's total)."""
+
+    def step_peak(self, cost: GraphCost) -> int:
+        """The step's predicted (and corrected) peak if this graph plans ``cost``."""
+        peak = max(
+            (
+                m.held_before + m.own_before * cost.held_bytes
+                + (cost.call_peak(m.later_gradients) if m.own else m.peak)
+                for m in self.moments
+            ),
+            default=cost.call_peak(0),
+        )
+        return math.ceil(peak * self.correction)
+
+    def describe(self) -> str:
+        """One line for the report."""
+        text = f"{self.calls} call(s) in a step of {len(self.moments)} graph call(s)"
+        if self.measured:
+            text += f", peak model corrected by x{self.correction:.3f} from a measured step"
+        return text
+
+
+def step_context(
+    key: str,
+    sequence: Sequence[str],
+    costs: Mapping[str, GraphCost],
+    correction: float = 1.0,
+    measured: bool = False,
+) -> StepContext:
+    """The context of graph ``key`` in a step that called ``sequence``; a
+    graph of unknown cost counts as nothing (the measurement corrects it)."""
+    unknown = GraphCost(0, 0, 0, 0)
+    own = costs.get(key, unknown)
+    later = _later_gradients(sequence, costs)
+    moments, held_before, own_before = [], 0, 0
+    for index, name in enumerate(sequence):
+        cost = costs.get(name, unknown)
+        if name == key:
+            moments.append(Moment(held_before, own_before, True, later_gradients=later[index]))
+            own_before += 1
+        else:
+            moments.append(Moment(held_before, own_before, False, peak=cost.call_peak(later[index])))
+            held_before += cost.held_bytes
+    step_optimal = sum(costs.get(name, unknown).optimal_bytes for name in sequence)
+    share = own.optimal_bytes / step_optimal if step_optimal and own.optimal_bytes else 1.0
+    return StepContext(tuple(moments), own_before, correction, measured, share)
+
+
+def predicted_step_peak(sequence: Sequence[str], costs: Mapping[str, GraphCost]) -> int:
+    """The step's predicted peak with every graph at its current cost."""
+    later = _later_gradients(sequence, costs)
+    peak = held = 0
+    for index, name in enumerate(sequence):
+        cost = costs.get(name)
+        if cost is None:
+            continue
+        peak = max(peak, held + cost.call_peak(later[index]))
+        held += cost.held_bytes
+    return peak
+
+
+def _later_gradients(sequence: Sequence[str], costs: Mapping[str, GraphCost]) -> list[int]:
+    """Per call, the gradients the step's later calls leave alive (backward
+    runs them first)."""
+    later, total = [0] * len(sequence), 0
+    for index in range(len(sequence) - 1, -1, -1):
+        later[index] = total
+        cost = costs.get(sequence[index])
+        total += cost.gradient_bytes if cost is not None else 0
+    return later

@@ -1,0 +1,224 @@
+"""The step view end to end (ckpt/step_view.py): graphs learnt from the
+first step, planned again for the step's peak, measured, and a plan per
+size bucket of a dynamic graph. Small models, Inductor codegen on CPU.
+
+Peaks are measured as the bench does (bench.measure.peak_cpu_bytes: the
+profiler's memory events over one forward and backward)."""
+import pytest
+import torch
+import torch._dynamo
+import torch.nn as nn
+
+from bench.measure import peak_cpu_bytes
+from bench.models import GPT, GPTConfig, gpt_batch
+from ckpt import make_backend, step_view
+
+transformers = pytest.importorskip("transformers")
+
+QWEN = dict(vocab_size=128, hidden_size=64, intermediate_size=176, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256, use_cache=False, attn_implementation="sdpa")
+SEQ, BATCH = 256, 2
+
+
+@pytest.fixture(autouse=True)
+def _fresh_view():
+    step_view.reset()
+    yield
+    step_view.reset()
+
+
+def _qwen():
+    torch.manual_seed(0)
+    return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**QWEN))
+
+
+def _train(model, fn, batches):
+    """AdamW steps over ``batches``; the losses, and the last step's peak."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses, peak = [], None
+    for index, tokens in enumerate(batches):
+        optimizer.zero_grad(set_to_none=True)
+        box = {}
+
+        def step():
+            box["loss"] = fn(input_ids=tokens, labels=tokens).loss
+            box["loss"].backward()
+
+        if index == len(batches) - 1:
+            peak = peak_cpu_bytes(step)
+        else:
+            step()
+        optimizer.step()
+        losses.append(box["loss"].item())
+    return losses, peak
+
+
+def _tokens(steps, seq=SEQ):
+    generator = torch.Generator().manual_seed(0)
+    return [torch.randint(QWEN["vocab_size"], (BATCH, seq), generator=generator) for _ in range(steps)]
+
+
+def _per_block(budget, shared=True, **settings):
+    """Each decoder layer compiled on its own: with one backend (the layers
+    share one graph), or a backend per layer (a graph each)."""
+    model = _qwen()
+    shared_backend = make_backend(strict=True, memory_budget=budget, **settings)
+    backends = [
+        shared_backend if shared else make_backend(strict=True, memory_budget=budget, **settings)
+        for _ in model.model.layers
+    ]
+    for layer, backend in zip(model.model.layers, backends):
+        layer.compile(backend=backend)
+    return model, backends
+
+
+def test_per_block_budget_is_judged_on_the_step():
+    """Alone, the layer graph's lowest-peak plan keeps its attention; in a
+    step of three layers it pays that three times, so the step view's plan
+    keeps less. The step peak at 0.0 is at most 1.05x per-layer eager
+    checkpointing's; the losses equal the plan-alone run's bit for bit
+    (Inductor's forward kernels do not depend on what is saved)."""
+    batches = _tokens(4)
+    alone_model, alone = _per_block(0.0, step_planning=False)
+    alone_losses, alone_peak = _train(alone_model, alone_model, batches)
+    torch._dynamo.reset()
+    model, backends = _per_block(0.0)
+    losses, peak = _train(model, model, batches)
+    view = step_view.current()
+    torch._dynamo.reset()
+    eager = _qwen()
+    eager.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    _, checkpointed = _train(eager, eager, batches)
+
+    (alone_plan,), (plan,) = alone[0].plans, backends[0].plans  # the layers share one graph
+    assert alone_plan.step is None and plan.step.startswith("3 call(s) in a step of 3")
+    assert plan.saved_activation_bytes < alone_plan.saved_activation_bytes
+    assert view.recompiles == 1  # the plan made alone, replaced once
+    assert peak < alone_peak and peak <= 1.05 * checkpointed, (peak, alone_peak, checkpointed)
+    assert losses == alone_losses
+
+
+def test_peak_cap_holds_for_the_step_and_is_measured():
+    """A peak: cap is the step's, shared by its graphs: with the cap between
+    per-layer checkpointing's peak and the plans made alone, the step stays
+    under it, and the view reports predicted next to measured."""
+    batches = _tokens(5)
+    eager = _qwen()
+    eager.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    _, checkpointed = _train(eager, eager, batches)
+    torch._dynamo.reset()
+    cap = int(checkpointed * 1.15)
+    model, backends = _per_block(f"peak:{cap}")
+    _, peak = _train(model, model, batches)
+    view = step_view.current()
+    assert peak <= 1.03 * cap, (peak, cap)
+    assert view.measurements, "the view measured no step"
+    measurement = view.measurements[-1]
+    assert measurement.measured_bytes > 0 and measurement.predicted_bytes > 0
+    assert "measured / predicted" in view.describe()
+
+
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(64, 256), nn.Linear(256, 64)
+
+    def forward(self, x):
+        return x + self.down(torch.nn.functional.gelu(self.up(x)))
+
+
+class _Broken(nn.Module):
+    """Three blocks with a graph break between each: three graphs."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(_Block() for _ in range(3))
+
+    def forward(self, x):
+        x = self.blocks[0](x)
+        torch._dynamo.graph_break()
+        x = self.blocks[1](x)
+        torch._dynamo.graph_break()
+        return self.blocks[2](x).square().mean()
+
+
+def test_graph_broken_model_plans_each_graph_in_its_step():
+    model = torch.compile(_Broken(), backend=make_backend(strict=True, memory_budget=0.0))
+    x = torch.randn(32, 64)
+    for _ in range(3):
+        model(x).backward()
+    view = step_view.current()
+    view.finish_step()
+    (sequence,) = view.sequences
+    assert len(sequence) == 3 and len(set(sequence)) == 3  # three graphs, each once
+    steps = [plan.step for plan in view.plans.values()]
+    assert steps == ["1 call(s) in a step of 3 graph call(s)"] * 3
+    assert view.recompiles == 3
+
+
+def test_a_backend_per_block_plans_every_entry_for_the_step():
+    """Blocks of one shape, each compiled with a backend of its own: one
+    graph in the step view, called three times, and each of Dynamo's three
+    entries for it is planned again for the step (once each)."""
+    blocks = [_Block() for _ in range(3)]
+    backends = [make_backend(strict=True, memory_budget=0.0) for _ in blocks]
+    for block, backend in zip(blocks, backends):
+        block.compile(backend=backend)
+    x = torch.randn(32, 64, requires_grad=True)  # so that every block's graph is one graph
+    for _ in range(3):
+        y = x
+        for block in blocks:
+            y = block(y)
+        y.square().mean().backward()
+    view = step_view.current()
+    assert len(view.plans) == 1 and view.recompiles == 3
+    assert all(backend.plans[-1].step == "3 call(s) in a step of 3 graph call(s)" for backend in backends)
+
+
+def test_step_planning_off_plans_each_graph_alone():
+    model = torch.compile(_Broken(), backend=make_backend(strict=True, memory_budget=0.0, step_planning=False))
+    x = torch.randn(32, 64)
+    for _ in range(3):
+        model(x).backward()
+    assert step_view.current().steps == 0
+
+
+def test_a_longer_batch_gets_its_own_plan_before_it_runs():
+    """A dynamic sequence length: the plan is made at the next power of two
+    of the size it is called with; a longer batch is planned for before it
+    runs (a recompile inside ckpt's callable, counted), a shorter one reuses
+    a plan. Gradients match eager's."""
+    cfg = GPTConfig(depth=2, width=32, heads=2, seq=256, vocab=64)
+    model = GPT(cfg)
+    reference = GPT(cfg)
+    reference.load_state_dict(model.state_dict())
+    backend = make_backend(strict=True, memory_budget=0.0)
+    compiled = torch.compile(model, backend=backend, dynamic=True)
+    for seq in (48, 100, 256, 60):
+        tokens, targets = gpt_batch(GPTConfig(depth=2, width=32, heads=2, seq=seq, vocab=64), 2)
+        model.zero_grad()
+        reference.zero_grad()
+        compiled(tokens, targets).backward()
+        reference(tokens, targets).backward()
+        for got, want in zip(model.parameters(), reference.parameters()):
+            torch.testing.assert_close(got.grad, want.grad, rtol=1e-4, atol=1e-5)
+    keys = sorted(step_view.current().plans)
+    sizes = sorted(int(key.rpartition("=")[2]) for key in keys)
+    assert sizes == [64, 128, 256], keys  # 48 -> 64, 100 -> 128, 256 -> 256, 60 reuses 64
+    assert step_view.current().recompiles == 2
+
+
+def test_a_declared_bound_is_planned_for_once():
+    """``mark_dynamic(..., max=...)``: the one plan is made at the bound, and
+    every shorter batch runs it: no recompile."""
+    cfg = GPTConfig(depth=1, width=32, heads=2, seq=128, vocab=64)
+    backend = make_backend(strict=True, memory_budget=0.0)
+    compiled = torch.compile(GPT(cfg), backend=backend)
+    for seq in (40, 100):
+        tokens, targets = gpt_batch(GPTConfig(depth=1, width=32, heads=2, seq=seq, vocab=64), 2)
+        for tensor in (tokens, targets):
+            torch._dynamo.mark_dynamic(tensor, 1, min=2, max=128)
+        compiled(tokens, targets).backward()
+    (key,) = step_view.current().plans
+    assert key.endswith("=128"), key
+    assert step_view.current().recompiles == 0
