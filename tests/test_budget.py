@@ -432,5 +432,7 @@ def test_one_layer_qwen3_at_fraction_zero_keeps_the_lowest_peak_plan_and_says_wh
     assert match, plan.budget_note
     peak, saved, smaller_saved, smaller_peak = map(int, match.groups())
     assert (peak, saved) == (plan.estimated_peak_bytes, plan.saved_activation_bytes)
-    assert smaller_saved < saved // 4  # a smaller plan exists (segment boundaries on the spine) ...
-    assert smaller_peak > peak  # ... but its predicted peak is higher
+    # Plans that save less exist (segment boundaries on the spine, and every
+    # rate of the lowest-peak family between them and the optimal plan) ...
+    assert smaller_saved < saved
+    assert smaller_peak > peak  # ... but the lowest peak among them is higher
