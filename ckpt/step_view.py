@@ -20,7 +20,9 @@ time. The same callable keeps one plan per size bucket of a dynamic graph
 (the next power of two of each dynamic size, or a declared
 ``mark_dynamic(max=...)`` bound) and picks one by the sizes it is called
 with, so a longer batch gets a plan made for it before it runs. Every
-recompile is counted (``StepView.recompiles``).
+recompile is counted (``StepView.recompiles``). Only a step whose calls ran
+at the sizes their plans were made for corrects the model (a shorter batch
+in a bucket is measured against the bucket's prediction, which is not its own).
 
 A plan is then a pure function of the graphs of the step, the config and
 the measurements (reduced across ranks), no longer of one graph alone.
@@ -50,6 +52,9 @@ MAX_CORRECTIONS = 2
 # Within this of the cap a measured step counts as holding it (the promise's
 # tolerance, see partitioners/budget.py MEASURED_MARGIN).
 CAP_TOLERANCE = 0.03
+# A step of a dynamic graph below the size its plan was made for is measured
+# but cannot correct the model; after this many such steps measuring stops.
+MAX_STEPS_BELOW_PLAN = 8
 # A step longer than this many graph calls without a backward is not a
 # training step (e.g. evaluation with autograd on): its record is dropped.
 MAX_CALLS = 100_000
@@ -64,6 +69,9 @@ class Measurement:
     sequence_id: str
     predicted_bytes: int
     measured_bytes: int
+    judged: bool = True
+    """False for a step measured only because ``meter_every_step`` asked:
+    seen, not used to plan."""
 
     @property
     def ratio(self) -> float:
@@ -78,6 +86,7 @@ class _Sequence:
     measured: bool = False
     corrections: int = 0
     settled: bool = False
+    below_plan_steps: int = 0
 
 
 class StepView:
@@ -102,7 +111,12 @@ class StepView:
         self.steps = 0
         self.recompiles = 0
         self.report_dir: str | None = None
+        self.meter_every_step = False
+        """Measure every step (a benchmark's per-step peaks), not only the
+        ones planning needs; the extra measurements only inform."""
         self._meter = None
+        self._judge_meter = False
+        self._below_plan = False
         self._ending = False
         self._ended = None
 
@@ -142,17 +156,26 @@ class StepView:
     # -- the running step -----------------------------------------------------
 
     def before_call(self, key: str) -> None:
-        if not self.sequence and not self._ending and self._wants_measurement(key):
+        if self.sequence or self._ending or compat.profiler_active():
+            return
+        self._judge_meter = self._wants_measurement(key)
+        if self._judge_meter or self.meter_every_step:
             self._meter = _start_meter()
 
-    def after_call(self, key: str, outputs, planned_for: tuple) -> None:
+    def after_call(self, key: str, outputs, planned_for: tuple, at_planned_sizes: bool = True) -> None:
         """Record a training call (one whose outputs need gradients) of a plan
-        made for ``planned_for``, and ask to hear when its backward ends."""
+        made for ``planned_for``, and ask to hear when its backward ends.
+        A call below the sizes its plan was made for (a shorter batch in a
+        size bucket) keeps its step from correcting the model: the
+        prediction is the bucket's, the measurement is not."""
         tensor = _first_requiring_grad(outputs)
         if tensor is None:
             return
         if len(self.sequence) >= MAX_CALLS:
             self._drop_step()
+        if not self.sequence:
+            self._below_plan = False
+        self._below_plan |= not at_planned_sizes
         self.sequence.append(key)
         self.ran.add((key, planned_for))
         tensor.register_hook(self._on_gradient)
@@ -172,14 +195,14 @@ class StepView:
         sequence, self.sequence = tuple(self.sequence), []
         ran, self.ran = self.ran, set()
         if sequence:
-            self._ended = (sequence, ran, self._meter, time.time_ns())
+            self._ended = (sequence, ran, self._meter, self._judge_meter, self._below_plan, time.time_ns())
             self._meter = None
 
     def finish_step(self) -> None:
         """Measure the step that ended, if any, and mark what must be planned again."""
         if self._ended is None:
             return
-        (sequence, ran, meter, end_ns), self._ended = self._ended, None
+        (sequence, ran, meter, wanted, below_plan, end_ns), self._ended = self._ended, None
         self.steps += 1
         state = self.sequences.setdefault(sequence, _Sequence())
         for key in set(sequence):
@@ -188,12 +211,18 @@ class StepView:
         # measurement below changes what they should be made for.
         planned_for_it = all(planned_for == self.planning_for(key) for key, planned_for in ran)
         measured = _stop_meter(meter, end_ns)
-        if self.fresh & set(sequence):
-            measured = None
+        judge = wanted and not below_plan and not self.fresh & set(sequence)
         self.fresh -= set(sequence)
+        if wanted and below_plan:
+            state.below_plan_steps += 1
+            state.settled |= state.below_plan_steps >= MAX_STEPS_BELOW_PLAN
         if measured is not None:
             measured = largest_on_all_ranks(f"step/{_sequence_id(sequence)}/{self.steps}", measured)
-            self._judge(sequence, state, measured, planned_for_it)
+            if judge:
+                self._judge(sequence, state, measured, planned_for_it)
+            else:
+                predicted = predicted_step_peak(sequence, self.costs)
+                self.measurements.append(Measurement(self.steps, _sequence_id(sequence), predicted, measured, False))
         self._write_report()
 
     def _judge(self, sequence: tuple[str, ...], state: _Sequence, measured: int, planned_for_it: bool) -> None:
@@ -218,7 +247,7 @@ class StepView:
         return min(caps, default=None)
 
     def _wants_measurement(self, key: str) -> bool:
-        if not self.measuring.get(key, False) or key in self.fresh or compat.profiler_active():
+        if not self.measuring.get(key, False) or key in self.fresh:
             return False
         sequence = self.last_sequence.get(key)
         return sequence is None or not self.sequences[sequence].settled
@@ -238,13 +267,13 @@ class StepView:
             "",
             f"steps seen: {self.steps}; recompiles for step plans: {self.recompiles}",
             "",
-            "| step | sequence | predicted MiB | measured MiB | measured / predicted |",
-            "|---|---|---|---|---|",
+            "| step | sequence | predicted MiB | measured MiB | measured / predicted | used to plan |",
+            "|---|---|---|---|---|---|",
         ]
         for m in self.measurements:
             lines.append(
                 f"| {m.step} | {m.sequence_id} | {m.predicted_bytes / 2**20:.2f} | "
-                f"{m.measured_bytes / 2**20:.2f} | {m.ratio:.3f} |"
+                f"{m.measured_bytes / 2**20:.2f} | {m.ratio:.3f} | {'yes' if m.judged else 'no'} |"
             )
         lines += ["", "| graph | plan made for | saved bytes | predicted step peak MiB |", "|---|---|---|---|"]
         for key, plan in self.plans.items():
@@ -317,7 +346,8 @@ class PlannedGraph:
 
     def __call__(self, *args):
         # Dynamo calls a compiled graph with the arguments unpacked.
-        bucket = self._bucket_of(args)
+        sizes = self._sizes_of(args)
+        bucket = tuple((name, _planned_size(symbol, size)) for (name, size), symbol in zip(sizes, self._symbols))
         key = self._plan_key(bucket)
         view = current()
         view.finish_step()
@@ -329,7 +359,7 @@ class PlannedGraph:
             )
         view.before_call(key)
         outputs = self._compiled[bucket](*args)
-        view.after_call(key, outputs, self._planned_for[bucket])
+        view.after_call(key, outputs, self._planned_for[bucket], at_planned_sizes=sizes == bucket)
         return outputs
 
     def _compile(self, bucket: tuple, example_inputs) -> None:
@@ -352,13 +382,13 @@ class PlannedGraph:
     def _bucket_of_hints(self) -> tuple:
         return tuple((s.name, _planned_size(s, s.hint)) for s in self._symbols)
 
-    def _bucket_of(self, args) -> tuple:
-        bucket = []
+    def _sizes_of(self, args) -> tuple:
+        """The dynamic sizes of this call, by symbol name."""
+        sizes = []
         for symbol in self._symbols:
             value = args[symbol.placeholder]
-            size = int(value) if symbol.dim is None else int(value.shape[symbol.dim])
-            bucket.append((symbol.name, _planned_size(symbol, size)))
-        return tuple(bucket)
+            sizes.append((symbol.name, int(value) if symbol.dim is None else int(value.shape[symbol.dim])))
+        return tuple(sizes)
 
 
 def _planned_size(symbol: compat.SizeSymbol, size: int) -> int:

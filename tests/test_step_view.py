@@ -156,6 +156,34 @@ def test_graph_broken_model_plans_each_graph_in_its_step():
     assert view.recompiles == 3
 
 
+def test_metering_every_step_measures_each_and_plans_the_same():
+    """``meter_every_step`` (the bench's per-step peaks): every step is
+    measured, the first (its graphs just compiled) and settled ones only
+    informing, and the plans and recompiles are those of a view without it."""
+    x = torch.randn(32, 64)
+
+    def run(every):
+        torch._dynamo.reset()
+        view = step_view.reset()
+        view.meter_every_step = every
+        torch.manual_seed(0)
+        model = torch.compile(_Broken(), backend=make_backend(strict=True, memory_budget="peak:1MiB"))
+        for _ in range(4):
+            model(x).backward()
+        view.finish_step()
+        return view
+
+    plain, metered = run(False), run(True)
+    assert [m.step for m in metered.measurements] == [1, 2, 3, 4]
+    assert metered.measurements[0].judged is False  # the first step compiled its graphs
+    judged = [(m.step, m.measured_bytes > 0) for m in metered.measurements if m.judged]
+    assert judged == [(m.step, True) for m in plain.measurements]
+    assert metered.recompiles == plain.recompiles
+    assert {k: p.saved_activation_bytes for k, p in metered.plans.items()} == {
+        k: p.saved_activation_bytes for k, p in plain.plans.items()
+    }
+
+
 def test_a_backend_per_block_plans_every_entry_for_the_step():
     """Blocks of one shape, each compiled with a backend of its own: one
     graph in the step view, called three times, and each of Dynamo's three
