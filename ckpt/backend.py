@@ -9,8 +9,9 @@ from collections.abc import Mapping
 import torch
 
 from partitioners import _torch_compat as compat
-from partitioners.config import Config, ConfigError, as_config
-from partitioners.partition import CkptPartitioner, Outcome, warn_once
+from partitioners.config import Config, ConfigError, as_config, warn_once
+from partitioners.partition import CkptPartitioner, Outcome
+from partitioners.pytorch_settings import with_pytorch_budgets
 from partitioners.plan import Plan
 from reports.report import build_report, write_report
 
@@ -61,7 +62,9 @@ class CkptBackend:
         on when they are set, and they are applied as Inductor applies them.
         """
         try:
-            config = self.config
+            # PyTorch's own budget settings (region annotations, functorch's
+            # activation_memory_budget) are honored, not dropped.
+            config = with_pytorch_budgets(self.config, gm)
             patches = inductor_patches(mode, options)
             check_peak_auto(config, example_inputs)
         except ConfigError as error:

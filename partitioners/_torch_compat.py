@@ -114,6 +114,18 @@ def module_stack(node: fx.Node) -> dict | None:
 _planned_sizes: contextvars.ContextVar[dict | None] = contextvars.ContextVar("ckpt_planned_sizes", default=None)
 
 
+def region_budget_of(node: fx.Node) -> float | None:
+    """The budget ``torch.autograd.graph.region_activation_memory_budget(b)``
+    left on ``node`` (None: outside any region, or a torch without the API)."""
+    reader = getattr(torch.fx.traceback, "_get_memory_budget_annotation", None)
+    return None if reader is None else reader(node)
+
+
+def functorch_memory_budget() -> float:
+    """``torch._functorch.config.activation_memory_budget`` (1.0: PyTorch's default, none)."""
+    return float(torch._functorch.config.activation_memory_budget)
+
+
 def hint_int(value: int | torch.SymInt) -> int:
     """A concrete int for a possibly symbolic size: the traced example's
     value, or inside ``planning_at`` the size planned for."""

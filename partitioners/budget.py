@@ -130,7 +130,7 @@ def solve_with_budget(
             solve_time_s=time.perf_counter() - start,
         )
     search = _Search(flow, profile, context)
-    floor = search.lowest_peak(optimal) if budget.fraction is not None else None
+    floor = search.lowest_peak(optimal) if budget.fraction is not None and not budget.pytorch_meaning else None
     if floor is not None and target <= floor.saved_bytes:
         note = _floor_note(budget, floor, search.lowest_peak_saving_less(floor.saved_bytes))
         solution, target = dataclasses.replace(floor, note=note), floor.saved_bytes

@@ -48,6 +48,12 @@ class MemoryBudget:
     """Bytes the training step may allocate above what is live before it
     (parameters, optimizer state, inputs): ``peak:6GiB``."""
     peak_auto: bool = False
+    pytorch_meaning: bool = False
+    """A fraction from PyTorch's own settings (``region_activation_memory_budget``,
+    functorch's ``activation_memory_budget``), kept in PyTorch's meaning: at
+    most ``fraction`` of the runtime-optimal saved bytes, a hard limit like
+    a byte budget (ckpt's own fraction instead stops at the plan of lowest
+    predicted peak, below which saving less only raises the peak)."""
 
     @property
     def is_peak(self) -> bool:
@@ -113,12 +119,22 @@ class MemoryBudget:
 
     def __str__(self) -> str:
         if self.fraction is not None:
-            return f"{self.fraction:g} of runtime-optimal"
+            return f"{self.fraction:g} of runtime-optimal" + (" (PyTorch's meaning)" if self.pytorch_meaning else "")
         if self.peak_auto:
             return "peak:auto"
         if self.peak_bytes is not None:
             return f"peak {self.peak_bytes} bytes"
         return f"{self.nbytes} bytes"
+
+
+_warned: set[str] = set()
+
+
+def warn_once(message: str) -> None:
+    """Warn with ``message`` the first time only (a model compiles many graphs)."""
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, stacklevel=3)
 
 
 def _parse_bool(value, name: str) -> bool:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import pathlib
-import warnings
 from collections.abc import Callable
 
 import torch.fx as fx
@@ -20,7 +19,7 @@ from passes import run_passes
 
 from . import _torch_compat as compat
 from .classify import GraphFacts, classify
-from .config import Config, ConfigError
+from .config import Config, ConfigError, warn_once
 from .budget import resolve_peak_target, solve_with_budget
 from .cost import profile_for
 from .plan import Plan, build_plan
@@ -30,9 +29,6 @@ from .step import StepContext
 _PROJECT_ROOT = pathlib.Path(__file__).resolve().parent.parent
 # Source that decides what a compile produces; part of the cache key.
 _DECIDING_PACKAGES = ("partitioners", "passes")
-
-_warned: set[str] = set()
-
 
 @dataclasses.dataclass(frozen=True)
 class Partition:
@@ -236,8 +232,3 @@ def _uuid(config: Config) -> str:
     return compat.get_hash_for_files(tuple(files), extra=repr(config)).hex()
 
 
-def warn_once(message: str) -> None:
-    """Warn with ``message`` the first time only (a model compiles many graphs)."""
-    if message not in _warned:
-        _warned.add(message)
-        warnings.warn(message, stacklevel=3)

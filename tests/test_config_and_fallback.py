@@ -5,6 +5,7 @@ import pathlib
 import pytest
 import torch
 
+import partitioners.config as config_module
 import partitioners.partition as partition_module
 from bench.models import MLP
 from ckpt import Config, ConfigError, ckpt_backend, make_backend
@@ -54,7 +55,7 @@ def _failing_solve(*args):
 
 def test_failure_falls_back_to_pytorch_partitioner_with_a_warning(monkeypatch, tmp_path):
     monkeypatch.setattr(partition_module, "solve_with_budget", _failing_solve)
-    partition_module._warned.clear()
+    config_module._warned.clear()
     model, x = MLP(depth=2, width=16), torch.randn(8, 16)
     backend = make_backend(strict=False, report_dir=str(tmp_path))
     compiled_model = MLP(depth=2, width=16)

@@ -21,6 +21,7 @@ ORDER = [
     "partitioners.ops",
     "partitioners.cost",
     "partitioners.config",
+    "partitioners.pytorch_settings",
     "partitioners.canonical",
     "partitioners.classify",
     "partitioners.mincut",

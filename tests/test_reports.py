@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import partitioners.ops as ops
-import partitioners.partition as partition_module
+import partitioners.config as config_module
 from bench.measure import count_saved_bytes
 from bench.models import GPT, MLP, ConvNet, GPTConfig, gpt_batch
 from ckpt import Config, make_backend
@@ -159,7 +159,7 @@ def test_a_report_that_cannot_be_made_only_warns(monkeypatch, tmp_path):
     # PyTorch's decisions, which the report compares with, cannot be read:
     # ckpt's plan is still used and recorded, and no report is written.
     monkeypatch.setattr(compat, "torch_default_partition", _broken_pytorch_partitioner)
-    partition_module._warned.clear()
+    config_module._warned.clear()
     backend = make_backend(strict=True, report_dir=str(tmp_path))
     with pytest.warns(UserWarning, match=r"ckpt could not write its report \(RuntimeError: injected failure\)"):
         torch.compile(MLP(depth=1, width=8), backend=backend)(torch.randn(4, 8)).backward()
