@@ -1,10 +1,13 @@
-"""Budgets in the step, as users compile: per block, with graph breaks, and
-with batches of varying length, on transformers decoders the rest of the
-bench does not use (Qwen2, Mistral; random weights, no downloads).
+"""Budgets in the step, as users compile: per block and with graph breaks,
+on transformers decoders the rest of the bench does not use (Qwen2,
+GPT-NeoX, Gemma, Mistral; random weights, no downloads). Qwen2 and Mistral differ only in biases at these settings;
+GPT-NeoX (parallel attention and MLP, LayerNorm, GELU, partial rotary) and
+Gemma (GeGLU, one KV head, tied embeddings) are other shapes of layer.
 
-    python -m bench.step_budget                       # both families, every layout
+    python -m bench.step_budget                       # Qwen2, GPT-NeoX, Gemma; every layout
     python -m bench.step_budget --families qwen2 --layouts per-block
-    python -m bench.step_budget --variable-length     # the dynamic-shapes run
+
+(Batches of varying length under a cap: python -m bench.variable_length.)
 
 Each row trains a fresh copy (same seed, AdamW) for ``--steps`` steps, so
 that ckpt's step view has learnt the step, planned it again and measured it,
@@ -25,12 +28,12 @@ import time
 import torch
 import torch._dynamo
 
-from bench.corpus import load_corpus
 from bench.measure import peak_cpu_bytes
 from ckpt import make_backend, step_view
 
 DEFAULT_OUT = pathlib.Path("bench/results/step_budget")
-FAMILIES = ("qwen2", "mistral")
+FAMILIES = ("qwen2", "gpt_neox", "gemma", "mistral")
+DEFAULT_FAMILIES = ("qwen2", "gpt_neox", "gemma")
 LAYOUTS = ("per-block", "graph-broken", "whole")
 VOCAB = 512
 
@@ -49,7 +52,19 @@ def build(family: str, layers: int, width: int, seq: int) -> torch.nn.Module:
         return tf.Qwen2ForCausalLM(tf.Qwen2Config(**common))
     if family == "mistral":
         return tf.MistralForCausalLM(tf.MistralConfig(sliding_window=None, **common))
+    if family == "gemma":
+        common.update(num_key_value_heads=1, head_dim=width // 4)
+        return tf.GemmaForCausalLM(tf.GemmaConfig(**common))
+    if family == "gpt_neox":
+        del common["num_key_value_heads"]
+        common.update(intermediate_size=width * 4, use_parallel_residual=True)
+        return tf.GPTNeoXForCausalLM(tf.GPTNeoXConfig(**common))
     raise ValueError(f"unknown family {family!r}; use one of {', '.join(FAMILIES)}")
+
+
+def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+    """The model's list of decoder layers (``model.layers``, ``gpt_neox.layers``)."""
+    return next(m for name, m in model.named_modules() if name.endswith("layers") and isinstance(m, torch.nn.ModuleList))
 
 
 def _break_graph(module, args):
@@ -60,7 +75,7 @@ def prepare(model: torch.nn.Module, layout: str, mode: str):
     """``model`` compiled as ``layout`` for ``mode``: "eager+checkpoint",
     "compile", "compile+budget=F" (PyTorch's own budget) or "ckpt[+budget=B]".
     Returns the callable to step."""
-    layers = model.model.layers
+    layers = decoder_layers(model)
     if mode == "eager+checkpoint":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         return model
@@ -136,27 +151,6 @@ def fixed_batches(settings) -> list[torch.Tensor]:
     return [torch.randint(VOCAB, (settings.batch, settings.seq), generator=generator) for _ in range(settings.steps)]
 
 
-def variable_batches(settings) -> list[torch.Tensor]:
-    """Batches of the standard library's bytes with dynamic padding: each
-    batch is as long as its longest line-aligned sample, lengths drawn from
-    the corpus' own lines grouped into paragraphs (heavy-tailed, capped at
-    ``settings.seq``), the longest batch last but one."""
-    corpus = load_corpus()
-    text = bytes(corpus.train[: 2_000_000].tolist())
-    paragraphs = [p for p in text.split(b"\n\n") if p.strip()]
-    generator = torch.Generator().manual_seed(0)
-    batches = []
-    for index in range(settings.steps):
-        picks = torch.randint(len(paragraphs), (settings.batch,), generator=generator).tolist()
-        samples = [paragraphs[p][: settings.seq] for p in picks]
-        if index == settings.steps - 2:
-            samples[0] = text[: settings.seq]  # the longest batch a run can see
-        length = max(8, max(len(s) for s in samples))
-        rows = [list(s) + [0] * (length - len(s)) for s in samples]
-        batches.append(torch.tensor(rows, dtype=torch.long) % VOCAB)
-    return batches
-
-
 def table(rows: list[dict], reference: dict) -> list[str]:
     lines = [
         "| family | layout | mode | step peak MiB | / eager+checkpoint | view predicted MiB | view measured MiB | recompiles | losses = compile's |",
@@ -183,26 +177,24 @@ def table(rows: list[dict], reference: dict) -> list[str]:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m bench.step_budget", description=__doc__.splitlines()[0])
-    p.add_argument("--families", nargs="+", default=list(FAMILIES))
+    p.add_argument("--families", nargs="+", default=list(DEFAULT_FAMILIES), choices=FAMILIES)
     p.add_argument("--layouts", nargs="+", default=list(LAYOUTS))
     p.add_argument("--cap-of-checkpoint", type=float, default=1.15,
                    help="the peak: cap as a multiple of eager+checkpoint's measured peak")
-    p.add_argument("--variable-length", action="store_true", help="the dynamic-shapes run instead")
     p.add_argument("--out", type=pathlib.Path, default=DEFAULT_OUT)
     p.add_argument("--steps", type=int, default=Settings.steps)
     args = p.parse_args(argv, namespace=Settings())
     torch._dynamo.config.cache_size_limit = 64  # per-block compile: one entry per layer's backend
     rows, reference, lines = [], {}, ["# Budgets in the step", ""]
     for family in args.families:
-        batches = variable_batches(args) if args.variable_length else fixed_batches(args)
+        batches = fixed_batches(args)
         checkpointed = run_mode(family, "eager", "eager+checkpoint", args, batches)
         rows.append(checkpointed)
         reference[family] = checkpointed["peak_bytes"]
         cap = int(checkpointed["peak_bytes"] * args.cap_of_checkpoint)
-        layouts = ["whole"] if args.variable_length else args.layouts
-        for layout in layouts:
+        for layout in args.layouts:
             modes = ["compile", "ckpt", "ckpt+budget=0.0", f"ckpt+budget=peak:{cap}"]
-            if layout == "per-block" and not args.variable_length:
+            if layout == "per-block":
                 modes.insert(1, "compile+budget=0.5")
                 modes.insert(4, "ckpt+budget=0.5")
             for mode in modes:
@@ -215,9 +207,8 @@ def main(argv=None) -> None:
         if row["view"]:
             lines += [f"## {row['family']} {row['layout']} {row['mode']}", "", row["view"]]
     args.out.mkdir(parents=True, exist_ok=True)
-    name = "variable_length" if args.variable_length else "results"
-    (args.out / f"{name}.md").write_text("\n".join(lines))
-    (args.out / f"{name}.json").write_text(json.dumps(rows, indent=1))
+    (args.out / "results.md").write_text("\n".join(lines))
+    (args.out / "results.json").write_text(json.dumps(rows, indent=1))
     print("\n".join(lines))
 
 

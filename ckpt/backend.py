@@ -61,6 +61,7 @@ class CkptBackend:
         ``mode`` and ``options`` are torch.compile's: torch.compile passes them
         on when they are set, and they are applied as Inductor applies them.
         """
+        current_step_view().stop_measuring()
         try:
             # PyTorch's own budget settings (region annotations, functorch's
             # activation_memory_budget) are honored, not dropped.

@@ -252,6 +252,21 @@ class StepView:
         sequence = self.last_sequence.get(key)
         return sequence is None or not self.sequences[sequence].settled
 
+    def stop_measuring(self) -> None:
+        """A graph compiles during the running step: stop its measurement
+        (what compiling allocates is not the plan's, and the profiler is
+        not left running through Dynamo and Inductor)."""
+        _stop_meter(self._meter, time.time_ns())
+        self._meter, self._judge_meter = None, False
+
+    def close(self) -> None:
+        """Stop measuring: a profiler left running would stay on for the
+        rest of the process."""
+        if self._ended is not None:
+            _stop_meter(self._ended[2], time.time_ns())
+            self._ended = None
+        self._drop_step()
+
     def _drop_step(self) -> None:
         self.sequence, self.ran = [], set()
         _stop_meter(self._meter, time.time_ns())
@@ -312,6 +327,7 @@ def current() -> StepView:
 def reset() -> StepView:
     """Forget every step seen (as ``torch._dynamo.reset()`` forgets graphs)."""
     global _view
+    _view.close()
     _view = StepView()
     return _view
 
@@ -341,11 +357,16 @@ class PlannedGraph:
 
     def compile_first(self, example_inputs):
         """Compile for the sizes of Dynamo's example (inside its compile)."""
-        self._compile(self._bucket_of_hints(), example_inputs)
+        self._first_bucket = self._bucket_of_hints()
+        self._compile(self._first_bucket, example_inputs)
         return self
 
     def __call__(self, *args):
         # Dynamo calls a compiled graph with the arguments unpacked.
+        if compat.has_fake_tensors(args):
+            # A compile-time call on fake tensors (DDP's graph optimizer runs
+            # each compiled bucket to get the next one's inputs): not a step.
+            return self._compiled[self._first_bucket](*args)
         sizes = self._sizes_of(args)
         bucket = tuple((name, _planned_size(symbol, size)) for (name, size), symbol in zip(sizes, self._symbols))
         key = self._plan_key(bucket)

@@ -222,7 +222,25 @@ def recompile_in(tracing_context, compile_graph):
     if tracing_context is None:
         return compile_graph()
     with torch._guards.tracing(tracing_context):
-        return compile_graph()
+        compiled = compile_graph()
+        ddp = getattr(tracing_context, "ddp_optimizer_ctx", None)
+        if ddp is not None:
+            # Under DDP's graph optimizer one tracing context serves every
+            # bucket's graph: each forward compile pushes its metadata and
+            # the lazy backward compile pops it, last bucket first (Note
+            # [DDPOptimizer and fw_metadata]). Push as it does, on top of
+            # what the earlier backward compiles left.
+            del ddp.metadata_per_bucket[ddp.curr_bucket + 1:]
+            ddp.curr_bucket += 1
+            ddp.metadata_per_bucket.append(tracing_context.fw_metadata)
+        return compiled
+
+
+def has_fake_tensors(values) -> bool:
+    """Whether any of ``values`` is a fake tensor (a call during compilation)."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return any(isinstance(v, torch.Tensor) and is_fake(v) for v in values)
 
 
 def example_inputs_of(gm: fx.GraphModule) -> list:

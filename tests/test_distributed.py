@@ -82,3 +82,20 @@ def test_a_lone_fallback_stops_every_rank(tmp_path):
             result["error"],
         ), result["error"]
 
+
+
+def test_a_budget_holds_per_rank_under_ddp_and_fsdp2_per_block(tmp_path):
+    """bench.distributed_budget at a small size: a Qwen2 decoder at 0.0,
+    DDP split into buckets and FSDP2 per block, each rank's step peak within
+    1.05x its eager per-layer checkpointing, the ranks' plans alike."""
+    from bench.distributed_budget import Settings, run
+
+    ranks = run(Settings(layers=3, seq=128, steps=4), tmp_path)
+    assert ranks[0]["ddp"]["ckpt+budget=0.0"]["graphs"] >= 2, "DDP's optimizer did not split the graph"
+    for layout in ("ddp", "fsdp2-per-block"):
+        fingerprints = [result[layout]["ckpt+budget=0.0"]["fingerprints"] for result in ranks]
+        assert fingerprints[0] == fingerprints[1] and all(fingerprints[0]), layout
+        for result in ranks:
+            eager, ckpt = result[layout]["eager+checkpoint"], result[layout]["ckpt+budget=0.0"]
+            assert ckpt["fallbacks"] == [None] * len(ckpt["fallbacks"])
+            assert ckpt["peak_bytes"] <= 1.05 * eager["peak_bytes"], (layout, ckpt["peak_bytes"], eager["peak_bytes"])

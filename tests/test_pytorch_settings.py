@@ -1,52 +1,18 @@
 """PyTorch's own budget settings under ckpt (partitioners/pytorch_settings.py):
 ``region_activation_memory_budget`` and functorch's
 ``activation_memory_budget`` are honored, never dropped without a word.
-Saved bytes are measured with saved-tensor hooks (bench.measure), Inductor
-on CPU; the 4-block MLP of the issue, d=256, at batch 128."""
+Saved bytes are measured as bench.pytorch_settings does (saved-tensor
+hooks), Inductor on CPU; the 4-block MLP of the issue, d=256, at batch 128."""
 import warnings
 
 import pytest
-import torch
-import torch._dynamo
-import torch.nn as nn
 
-from bench.measure import count_saved_bytes
+from bench.pytorch_settings import RegionBlocks as _Blocks, saved_bytes
 from ckpt import make_backend
-
-region = torch.autograd.graph.region_activation_memory_budget
-
-
-class _Blocks(nn.Module):
-    """Four Linear-LayerNorm-GELU blocks and a mean, the forward inside a
-    region of ``budget`` (None: no region); ``loss_outside``: the mean after it."""
-
-    def __init__(self, budget=None, loss_outside=False):
-        super().__init__()
-        torch.manual_seed(0)
-        self.blocks = nn.Sequential(*(nn.Sequential(nn.Linear(256, 256), nn.LayerNorm(256), nn.GELU()) for _ in range(4)))
-        self.budget, self.loss_outside = budget, loss_outside
-
-    def forward(self, x):
-        if self.budget is None:
-            return self.blocks(x).mean()
-        with region(self.budget):
-            y = self.blocks(x)
-            if not self.loss_outside:
-                return y.mean()
-        return y.mean()
 
 
 def _saved_bytes(model, backend, functorch_budget=None):
-    """Bytes the compiled model saves for backward (parameters and input excluded)."""
-    torch._dynamo.reset()
-    x = torch.randn(128, 256)
-    patch = {} if functorch_budget is None else {"activation_memory_budget": functorch_budget}
-    with torch._functorch.config.patch(**patch), torch.compiler.config.patch(force_disable_caches=True):
-        compiled = torch.compile(model, backend=backend)
-        with count_saved_bytes(exclude=[*model.parameters(), x]) as saved:
-            loss = compiled(x)
-        loss.backward()
-    return saved["bytes"]
+    return saved_bytes(model, backend, batch=128, functorch_budget=functorch_budget)
 
 
 @pytest.fixture(scope="module")
