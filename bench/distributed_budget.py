@@ -10,13 +10,14 @@ Each rank trains eager per-layer checkpointing and ckpt at 0.0 side by
 side (a fresh model each, same seed, each rank its own batches), and
 measures its own step peak after the step view has settled: peak bytes
 allocated during forward and backward above what is alive before it
-(profiler memory events). Also written: each rank's plan fingerprints (ranks
-must decide alike), graphs per step and recompiles. Writes results.md and
+(profiler memory events). Also written: a digest of each rank's plans
+(ranks must decide alike), graphs per step and recompiles. Writes results.md and
 results.json into --out.
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import pathlib
@@ -96,10 +97,18 @@ def rank_run(rank: int, layout: str, mode: str, settings) -> dict:
     plans = backend.plans if backend is not None else []
     return {
         "peak_bytes": peak, "losses": losses,
-        "fingerprints": [p.fingerprint for p in plans], "fallbacks": [p.fallback for p in plans],
+        "plan_digests": [plan_digest(p) for p in plans], "fallbacks": [p.fallback for p in plans],
         "graphs": len(view.plans), "recompiles": view.recompiles,
         "calls_per_step": max((len(s) for s in view.sequences), default=0),
     }
+
+
+def plan_digest(plan) -> str:
+    """The plan's decisions, hashed: equal on ranks that decided alike. (ckpt
+    compares ranks' plans itself only for graphs holding a collective, as
+    FSDP2's do; DDP's all-reduces run in hooks, outside the graphs.)"""
+    decisions = [(d.name, d.decision) for d in plan.decisions]
+    return hashlib.sha256(json.dumps([decisions, plan.fallback]).encode()).hexdigest()[:12]
 
 
 def worker(rank: int, world: int, port: int, out: str, settings_json: str) -> None:
@@ -132,7 +141,7 @@ def table(ranks: list[dict]) -> list[str]:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for layout in ranks[0]:
-        alike = all(r[layout][MODES[1]]["fingerprints"] == ranks[0][layout][MODES[1]]["fingerprints"] for r in ranks)
+        alike = all(r[layout][MODES[1]]["plan_digests"] == ranks[0][layout][MODES[1]]["plan_digests"] for r in ranks)
         for rank, result in enumerate(ranks):
             eager, ckpt = result[layout][MODES[0]], result[layout][MODES[1]]
             lines.append(

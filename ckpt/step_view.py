@@ -374,6 +374,7 @@ class PlannedGraph:
         view.finish_step()
         if bucket not in self._compiled or self._planned_for[bucket] != view.planning_for(key):
             view.recompiles += 1
+            view.stop_measuring()
             compat.recompile_in(
                 self._tracing_context,
                 lambda: self._compile(bucket, compat.example_inputs_of(self._graph)),

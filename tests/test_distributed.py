@@ -93,8 +93,8 @@ def test_a_budget_holds_per_rank_under_ddp_and_fsdp2_per_block(tmp_path):
     ranks = run(Settings(layers=3, seq=128, steps=4), tmp_path)
     assert ranks[0]["ddp"]["ckpt+budget=0.0"]["graphs"] >= 2, "DDP's optimizer did not split the graph"
     for layout in ("ddp", "fsdp2-per-block"):
-        fingerprints = [result[layout]["ckpt+budget=0.0"]["fingerprints"] for result in ranks]
-        assert fingerprints[0] == fingerprints[1] and all(fingerprints[0]), layout
+        digests = [result[layout]["ckpt+budget=0.0"]["plan_digests"] for result in ranks]
+        assert digests[0] == digests[1] and digests[0], layout
         for result in ranks:
             eager, ckpt = result[layout]["eager+checkpoint"], result[layout]["ckpt+budget=0.0"]
             assert ckpt["fallbacks"] == [None] * len(ckpt["fallbacks"])
