@@ -151,6 +151,13 @@ def fixed_batches(settings) -> list[torch.Tensor]:
     return [torch.randint(VOCAB, (settings.batch, settings.seq), generator=generator) for _ in range(settings.steps)]
 
 
+def losses_against(losses: list[float], reference: list[float]) -> str:
+    """"bitwise", or the largest relative difference of ``losses`` from ``reference``."""
+    if losses == reference:
+        return "bitwise"
+    return f"max rel {max(abs(a - b) / abs(b) for a, b in zip(losses, reference)):.1e}"
+
+
 def table(rows: list[dict], reference: dict) -> list[str]:
     lines = [
         "| family | layout | mode | step peak MiB | / eager+checkpoint | view predicted MiB | view measured MiB | recompiles | losses = compile's |",
@@ -163,8 +170,7 @@ def table(rows: list[dict], reference: dict) -> list[str]:
             None,
         )
         same = "-" if compile_losses is None or row["mode"] in ("compile", "eager+checkpoint") else (
-            "bitwise" if row["losses"] == compile_losses else
-            f"max rel {max(abs(a - b) / abs(b) for a, b in zip(row['losses'], compile_losses)):.1e}"
+            losses_against(row["losses"], compile_losses)
         )
         mib = lambda v: "-" if v is None else f"{v / 2**20:.2f}"  # noqa: E731
         lines.append(

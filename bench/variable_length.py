@@ -38,7 +38,7 @@ import torch._dynamo
 
 from bench.corpus import load_corpus
 from bench.measure import peak_cpu_bytes
-from bench.step_budget import VOCAB, build
+from bench.step_budget import VOCAB, build, losses_against
 from ckpt import make_backend, step_view
 
 DEFAULT_OUT = pathlib.Path("bench/results/variable_length")
@@ -157,8 +157,7 @@ def table(rows: list[dict], caps: dict) -> list[str]:
     ]
     for row in rows:
         compile_losses = next(r["losses"] for r in rows if (r["family"], r["mode"]) == (row["family"], "compile"))
-        worst = max(abs(a - b) / abs(b) for a, b in zip(row["losses"], compile_losses))
-        same = "-" if row["mode"] == "compile" else ("bitwise" if worst == 0 else f"max rel {worst:.1e}")
+        same = "-" if row["mode"] == "compile" else losses_against(row["losses"], compile_losses)
         cap = caps[row["family"]]
         lines.append(
             f"| {row['family']} | {row['mode']} | {row['largest_peak_bytes'] / 2**20:.2f} | "

@@ -142,13 +142,19 @@ class _Broken(nn.Module):
         return self.blocks[2](x).square().mean()
 
 
-def test_graph_broken_model_plans_each_graph_in_its_step():
+def _train_broken(steps: int) -> step_view.StepView:
+    """``steps`` steps of _Broken compiled at 0.0; the step view after them."""
     model = torch.compile(_Broken(), backend=make_backend(strict=True, memory_budget=0.0))
     x = torch.randn(32, 64)
-    for _ in range(3):
+    for _ in range(steps):
         model(x).backward()
     view = step_view.current()
     view.finish_step()
+    return view
+
+
+def test_graph_broken_model_plans_each_graph_in_its_step():
+    view = _train_broken(3)
     (sequence,) = view.sequences
     assert len(sequence) == 3 and len(set(sequence)) == 3  # three graphs, each once
     steps = [plan.step for plan in view.plans.values()]
@@ -163,12 +169,7 @@ def test_metering_every_step_measures_each_and_plans_the_same():
     Steps 1 and 2 compile (the graphs, then their step plans): a compile
     stops the step's measurement."""
     step_view.current().meter_every_step = True
-    model = torch.compile(_Broken(), backend=make_backend(strict=True, memory_budget=0.0))
-    x = torch.randn(32, 64)
-    for _ in range(5):
-        model(x).backward()
-    view = step_view.current()
-    view.finish_step()
+    view = _train_broken(5)
     assert view.recompiles == 3
     assert [m.step for m in view.measurements] == [3, 4, 5]
     assert all(m.measured_bytes > 0 for m in view.measurements)
