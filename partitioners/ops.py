@@ -104,8 +104,10 @@ DATA_MOVEMENT_OPS = _overloads(
 
 # Normalizations and softmax: a reduction and pointwise work whose output is
 # as large as the input, so recomputing them is one fused pass.
+# _safe_softmax (a softmax whose fully masked rows are 0, not NaN) is what
+# the math attention of a masked SDPA call traces to: T5's attention.
 NORMALIZATION_OPS = _overloads(
-    aten.native_layer_norm, aten.native_group_norm, aten._softmax,
+    aten.native_layer_norm, aten.native_group_norm, aten._softmax, aten._safe_softmax,
     aten._log_softmax, aten._native_batch_norm_legit_functional,
     aten._native_batch_norm_legit_no_training,
 )
