@@ -86,13 +86,18 @@ class CkptBackend:
         )
         return planned.compile_first(example_inputs)
 
-    def _compile_plan(self, config: Config, patches: dict, gm, example_inputs, step, sizes, replaces=None):
-        """Compile ``gm`` with a plan for ``step`` at ``sizes``; returns
-        Inductor's callable and the Plan (None if no graph was partitioned:
-        an inference graph). The new Plan takes the place of the one it
-        ``replaces`` in ``plans``, which lists the plans in force."""
+    def _compile_plan(self, config: Config, patches: dict, gm, example_inputs, step, sizes, budget, replaces=None):
+        """Compile ``gm`` with a plan for ``budget`` in ``step`` at ``sizes``
+        (the step view's choices); returns Inductor's callable and the Plan
+        (None if no graph was partitioned: an inference graph). The new Plan
+        takes the place of the one it ``replaces`` in ``plans``, which lists
+        the plans in force."""
         before = len(self.plans)
-        partitioner = self.make_partitioner(config, step=step, sizes=sizes)
+        # step_planning: the view must see the plan, never one from a cache
+        # (a fallback rung plans with no budget at all).
+        partitioner = self.make_partitioner(
+            config.replace(memory_budget=budget), step=step, sizes=sizes, step_planning=True
+        )
         compiled = compat.compile_fx_near_fusion_in_backward(
             gm, example_inputs, config_patches={**patches, PARTITIONER_OPTION: partitioner}, uncached=True
         )
@@ -104,7 +109,8 @@ class CkptBackend:
             self.plans[old] = self.plans.pop()
         return compiled, plan
 
-    def make_partitioner(self, config: Config | None = None, *, step=None, sizes=None) -> CkptPartitioner:
+    def make_partitioner(self, config: Config | None = None, *, step=None, sizes=None,
+                         step_planning: bool | None = None) -> CkptPartitioner:
         """The partitioner one compile hands Inductor: it records each graph's
         Plan here and, with ``report_dir`` set, asks for PyTorch's decisions
         too and writes the graph's report. ``step`` and ``sizes``: what the
@@ -115,7 +121,8 @@ class CkptBackend:
             on_outcome=functools.partial(self._record, config.report_dir),
             compare_with_pytorch=config.report_dir is not None,
             step=step,
-            step_planning=config.memory_budget is not None and config.step_planning,
+            step_planning=(config.memory_budget is not None and config.step_planning)
+            if step_planning is None else step_planning,
             sizes=sizes,
         )
 

@@ -41,6 +41,7 @@ import torch.fx as fx
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from partitioners import _torch_compat as compat
+from partitioners.budget import rung_budget
 from partitioners.config import MemoryBudget
 from partitioners.plan import Plan
 from partitioners.rank_sync import largest_on_all_ranks
@@ -52,6 +53,12 @@ MAX_CORRECTIONS = 2
 # Within this of the cap a measured step counts as holding it (the promise's
 # tolerance, see partitioners/budget.py MEASURED_MARGIN).
 CAP_TOLERANCE = 0.03
+# Looser budgets a step may try after its own plan measured high (each
+# costs a recompile of the step's graphs and two steps, one to compile, one
+# to measure); then the step runs the plans that measured lowest.
+MAX_FALLBACKS = 3
+# The rung label of the budget's own plans.
+OWN = "own"
 # A step of a dynamic graph below the size its plan was made for is measured
 # but cannot correct the model; after this many such steps measuring stops.
 MAX_STEPS_BELOW_PLAN = 8
@@ -72,6 +79,9 @@ class Measurement:
     judged: bool = True
     """False for a step measured only because ``meter_every_step`` asked:
     seen, not used to plan."""
+    rung: str = OWN
+    """The budget the plans that ran were made for: the graphs' own, or a
+    looser one the step fell back to (budget.ladder)."""
 
     @property
     def ratio(self) -> float:
@@ -87,6 +97,10 @@ class _Sequence:
     corrections: int = 0
     settled: bool = False
     below_plan_steps: int = 0
+    rung: str = OWN
+    """The budget the step's graphs plan for (OWN, or a rung of budget.ladder)."""
+    tried: dict[str, int] = dataclasses.field(default_factory=dict)
+    """Rung -> the measured step peak of its plans (the latest, for OWN)."""
 
 
 class StepView:
@@ -97,6 +111,8 @@ class StepView:
         self.sequence: list[str] = []
         self.costs: dict[str, GraphCost] = {}
         self.plans: dict[str, Plan] = {}
+        self.rungs: dict[str, dict[str, tuple[GraphCost, tuple[str, ...]]]] = {}
+        """Per graph, rung -> the cost and saved names of its plan for that rung."""
         self.budgets: dict[str, MemoryBudget] = {}
         self.measuring: dict[str, bool] = {}
         self.sequences: dict[tuple[str, ...], _Sequence] = {}
@@ -128,28 +144,46 @@ class StepView:
         that context depends on (``planning_for``)."""
         self.budgets[key] = budget
         planned_for = self.planning_for(key)
-        if planned_for == (None, None):
+        if planned_for == (None, None, OWN):
             return None, planned_for
         sequence = self.last_sequence[key]
         state = self.sequences[sequence]
-        return step_context(key, sequence, self.costs, state.correction, state.measured), planned_for
+        fallback = None
+        if state.rung != OWN:
+            fallback = (
+                f"runs the plan of budget {_rung_name(state.rung)}, not its own ({budget}): "
+                f"measured step peaks {_tried_text(state.tried)}"
+            )
+        context = step_context(key, sequence, self.costs, state.correction, state.measured, fallback)
+        return context, planned_for
+
+    def budget_for(self, key: str, budget: MemoryBudget | None) -> MemoryBudget | None:
+        """The budget ``key`` plans for: its own, or the looser one its step
+        fell back to."""
+        sequence = self.last_sequence.get(key)
+        rung = OWN if sequence is None else self.sequences[sequence].rung
+        return budget if rung == OWN else rung_budget(rung)
 
     def planning_for(self, key: str) -> tuple:
         """What a plan of ``key`` depends on beyond its graph: the step's
-        sequence when other calls share it, and the measured correction
-        when a peak cap is judged by it."""
+        sequence when other calls share it, the measured correction when a
+        peak cap is judged by it, and the rung of the budget's ladder."""
         sequence = self.last_sequence.get(key)
         if sequence is None:
-            return (None, None)
+            return (None, None, OWN)
         state = self.sequences[sequence]
         budget = self.budgets.get(key)
         correction = state.correction if budget is not None and budget.is_peak and state.measured else None
-        return (sequence if len(sequence) > 1 else None, correction)
+        return (sequence if len(sequence) > 1 else None, correction, state.rung)
 
-    def record_plan(self, key: str, plan: Plan | None, measure: bool) -> None:
+    def record_plan(self, key: str, plan: Plan | None, measure: bool, rung: str = OWN) -> None:
         if plan is not None:
             self.plans[key] = plan
             self.costs[key] = GraphCost.of(plan.peak_estimate, plan.optimal_bytes)
+            known = self.rungs.setdefault(key, {})
+            for looser in plan.rungs:
+                known[looser.label] = (GraphCost.of(looser.peak, plan.optimal_bytes), looser.saved)
+            known[rung] = (self.costs[key], tuple(sorted(plan.saved)))
         self.measuring[key] = measure
         self.fresh.add(key)
 
@@ -222,25 +256,72 @@ class StepView:
                 self._judge(sequence, state, measured, planned_for_it)
             else:
                 predicted = predicted_step_peak(sequence, self.costs)
-                self.measurements.append(Measurement(self.steps, _sequence_id(sequence), predicted, measured, False))
+                self.measurements.append(
+                    Measurement(self.steps, _sequence_id(sequence), predicted, measured, False, state.rung)
+                )
         self._write_report()
 
     def _judge(self, sequence: tuple[str, ...], state: _Sequence, measured: int, planned_for_it: bool) -> None:
         """Correct the model by the measured ratio where the step needs plans
-        anyway (its first measurement) or broke its cap; settle otherwise."""
+        anyway (its first measurement) or broke its cap; fall back to a
+        looser budget's plans where they may peak lower (``_next_rung``);
+        settle on the plans that measured lowest otherwise."""
         predicted = predicted_step_peak(sequence, self.costs)  # the model's own, uncorrected
-        self.measurements.append(Measurement(self.steps, _sequence_id(sequence), predicted, measured))
+        self.measurements.append(Measurement(self.steps, _sequence_id(sequence), predicted, measured, rung=state.rung))
+        if planned_for_it:
+            state.tried[state.rung] = measured
         cap = self._cap(sequence)
         over = cap is not None and measured > cap * (1 + CAP_TOLERANCE)
         ratio = measured / predicted if predicted else 1.0
-        if planned_for_it and not over:
-            state.settled = True
-        elif not state.measured:
+        if not state.measured and not (planned_for_it and not over):
             state.correction, state.measured = ratio, True
-        elif over and state.corrections < MAX_CORRECTIONS:
+        elif over and state.rung == OWN and state.corrections < MAX_CORRECTIONS:
             state.correction, state.corrections = ratio, state.corrections + 1
         else:
-            state.settled = True  # corrected as often as allowed, or nothing to correct
+            # Corrected as often as allowed, or nothing to correct: the ladder.
+            rung = self._next_rung(sequence, state)
+            if rung is None:
+                state.rung, state.settled = _lowest_measured(state.tried) if state.tried else state.rung, True
+            else:
+                state.rung = rung
+
+    def _next_rung(self, sequence: tuple[str, ...], state: _Sequence) -> str | None:
+        """A looser budget whose plans the model predicts below the lowest
+        step peak measured so far: the model may be wrong about the plans
+        that ran, and is checked by measuring those. Of several, the one
+        predicted lowest; None when none is (or MAX_FALLBACKS were tried).
+
+        The model's own prediction, uncorrected: its error is a plan's, not
+        the step's (a ConvNeXt's tight plans measure 33% above the model,
+        its runtime-optimal one close to it), so a ratio measured on one
+        plan does not carry over to another."""
+        if not state.tried or len(state.tried) > MAX_FALLBACKS:
+            return None
+        lowest = min(state.tried.values())
+        seen = {self._plans_of(sequence, rung) for rung in state.tried}
+        candidates = []
+        for rung in self._ladder(sequence):
+            plans = self._plans_of(sequence, rung)
+            if rung in state.tried or plans in seen:
+                continue
+            seen.add(plans)
+            costs = {
+                key: self.rungs.get(key, {}).get(rung, (cost, ()))[0]
+                for key, cost in self.costs.items() if key in sequence
+            }
+            predicted = predicted_step_peak(sequence, costs)
+            if predicted < lowest:
+                candidates.append((predicted, rung))
+        return min(candidates)[1] if candidates else None
+
+    def _ladder(self, sequence: tuple[str, ...]) -> list[str]:
+        """The rungs the step's graphs know, tight to loose."""
+        rungs = {rung for key in set(sequence) for rung in self.rungs.get(key, {})} - {OWN}
+        return sorted(rungs, key=float)
+
+    def _plans_of(self, sequence: tuple[str, ...], rung: str) -> tuple:
+        """What the step's graphs save at ``rung`` (equal tuples: the same plans)."""
+        return tuple(self.rungs.get(key, {}).get(rung, (None, None))[1] for key in sorted(set(sequence)))
 
     def _cap(self, sequence) -> int | None:
         caps = [b.peak_bytes for k in set(sequence) if (b := self.budgets.get(k)) is not None and b.peak_bytes]
@@ -282,14 +363,21 @@ class StepView:
             "",
             f"steps seen: {self.steps}; recompiles for step plans: {self.recompiles}",
             "",
-            "| step | sequence | predicted MiB | measured MiB | measured / predicted | used to plan |",
-            "|---|---|---|---|---|---|",
+            "| step | sequence | plans for | predicted MiB | measured MiB | measured / predicted | used to plan |",
+            "|---|---|---|---|---|---|---|",
         ]
         for m in self.measurements:
             lines.append(
-                f"| {m.step} | {m.sequence_id} | {m.predicted_bytes / 2**20:.2f} | "
+                f"| {m.step} | {m.sequence_id} | {_rung_name(m.rung)} | {m.predicted_bytes / 2**20:.2f} | "
                 f"{m.measured_bytes / 2**20:.2f} | {m.ratio:.3f} | {'yes' if m.judged else 'no'} |"
             )
+        for sequence, state in self.sequences.items():
+            if len(state.tried) > 1 or state.rung != OWN:
+                lines += [
+                    "",
+                    f"{_sequence_id(sequence)}: measured step peaks {_tried_text(state.tried)}; "
+                    f"{'runs' if state.settled else 'trying'} the plans of {_rung_name(state.rung)}",
+                ]
         lines += ["", "| graph | plan made for | saved bytes | predicted step peak MiB |", "|---|---|---|---|"]
         for key, plan in self.plans.items():
             lines.append(
@@ -338,8 +426,8 @@ class PlannedGraph:
     bucket, recompiled when the view learns more of the step."""
 
     def __init__(self, gm: fx.GraphModule, compile_plan, budget: MemoryBudget | None, measure: bool):
-        """``compile_plan(gm, example_inputs, step, sizes, replaces=plan)``
-        compiles the graph and returns (callable, Plan or None)."""
+        """``compile_plan(gm, example_inputs, step, sizes, budget=, replaces=plan)``
+        compiles the graph for ``budget`` and returns (callable, Plan or None)."""
         # Compiled again as it is, as Dynamo compiles a graph again for a
         # specialization (a copy made with fx.GraphModule does not pickle
         # into Inductor's cache keys).
@@ -390,10 +478,11 @@ class PlannedGraph:
         context, planned_for = view.context_for(key, self._budget)
         sizes = dict(bucket) if bucket else None
         compiled, plan = self._compile_plan(
-            self._graph, example_inputs, context, sizes, replaces=self._plans.get(bucket)
+            self._graph, example_inputs, context, sizes,
+            budget=view.budget_for(key, self._budget), replaces=self._plans.get(bucket),
         )
         self._plans[bucket] = plan
-        view.record_plan(key, plan, self._measure)
+        view.record_plan(key, plan, self._measure, rung=planned_for[2])
         self._compiled[bucket], self._planned_for[bucket] = compiled, planned_for
 
     def _plan_key(self, bucket: tuple) -> str:
@@ -411,6 +500,23 @@ class PlannedGraph:
             value = args[symbol.placeholder]
             sizes.append((symbol.name, int(value) if symbol.dim is None else int(value.shape[symbol.dim])))
         return tuple(sizes)
+
+
+def _rung_name(rung: str) -> str:
+    if rung == OWN:
+        return "its own budget"
+    return "the runtime-optimal plan" if rung_budget(rung) is None else f"budget {rung}"
+
+
+def _tried_text(tried: dict[str, int]) -> str:
+    return ", ".join(f"{_rung_name(rung)} {nbytes / 2**20:.2f} MiB" for rung, nbytes in tried.items())
+
+
+def _lowest_measured(tried: dict[str, int]) -> str:
+    """The rung whose plans measured lowest; on a tie, the tightest (the
+    budget's own first)."""
+    order = lambda rung: -1.0 if rung == OWN else float(rung)  # noqa: E731
+    return min(tried, key=lambda rung: (tried[rung], order(rung)))
 
 
 def _planned_size(symbol: compat.SizeSymbol, size: int) -> int:

@@ -89,6 +89,45 @@ class BudgetSolution:
     (a fraction stopped at the plan of lowest predicted peak)."""
     cuts: int = 1
     solve_time_s: float = 0.0
+    rungs: tuple["Rung", ...] = ()
+    """Looser plans a measured step may fall back to (LADDER), tight to loose."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Rung:
+    """The plan of a looser budget on the same graph: what the step view
+    (ckpt/step_view.py) may fall back to when the budget's own plan
+    measures above what that plan is predicted to peak."""
+
+    label: str
+    """The looser budget: a fraction, or ``RUNTIME_OPTIMAL``."""
+    peak: PeakEstimate
+    saved: tuple[str, ...]
+    """Names of the values it saves (two rungs with equal ones are one plan)."""
+
+
+# The fallbacks of a fraction or peak budget, tight to loose: the fractions
+# above it, then the runtime-optimal plan (no budget). Quarter steps: a
+# user comparing fractions compares these, and each rung the step view
+# tries costs a recompile and a measured step.
+LADDER_FRACTIONS = (0.25, 0.5, 0.75)
+RUNTIME_OPTIMAL = "1.0"
+
+
+def ladder(budget: MemoryBudget | None) -> tuple[str, ...]:
+    """The rungs a measured step under ``budget`` may fall back to. Byte
+    budgets and PyTorch's fractions are hard limits: none."""
+    if budget is None or budget.nbytes is not None or budget.pytorch_meaning:
+        return ()
+    if budget.is_peak:
+        return (RUNTIME_OPTIMAL,)
+    looser = tuple(str(f) for f in LADDER_FRACTIONS if f > budget.fraction)
+    return looser + (RUNTIME_OPTIMAL,) if budget.fraction < 1 else ()
+
+
+def rung_budget(label: str) -> MemoryBudget | None:
+    """The budget a rung plans with (None: runtime-optimal)."""
+    return None if label == RUNTIME_OPTIMAL else MemoryBudget(fraction=float(label))
 
 
 def solve_with_budget(
@@ -130,12 +169,12 @@ def solve_with_budget(
             solve_time_s=time.perf_counter() - start,
         )
     search = _Search(flow, profile, context)
-    floor = search.lowest_peak(optimal) if budget.fraction is not None and not budget.pytorch_meaning else None
-    if floor is not None and target <= floor.saved_bytes:
-        note = _floor_note(budget, floor, search.lowest_peak_saving_less(floor.saved_bytes))
-        solution, target = dataclasses.replace(floor, note=note), floor.saved_bytes
-    else:
-        solution = search.fastest_within(target)
+    solution, target = _within_fraction_or_bytes(search, budget, target, optimal)
+    rungs = tuple(
+        _rung(label, optimal if label == RUNTIME_OPTIMAL else _within_fraction_or_bytes(
+            search, rung_budget(label), _target_bytes(rung_budget(label), optimal.saved_bytes), optimal)[0])
+        for label in ladder(budget)
+    )
     if not solution.fits:
         warnings.warn(
             f"ckpt: memory budget {budget} ({target} bytes) is below the smallest plan "
@@ -148,7 +187,24 @@ def solve_with_budget(
         optimal_bytes=optimal.saved_bytes,
         cuts=search.cuts + 1,
         solve_time_s=time.perf_counter() - start,
+        rungs=rungs,
     )
+
+
+def _within_fraction_or_bytes(search: "_Search", budget: MemoryBudget, target: int, optimal: BudgetSolution):
+    """The fastest plan saving at most ``target`` bytes, and the target; a
+    ckpt fraction stops at the plan of lowest predicted peak instead."""
+    if target >= optimal.saved_bytes:
+        return optimal, target
+    floor = search.lowest_peak(optimal) if budget.fraction is not None and not budget.pytorch_meaning else None
+    if floor is not None and target <= floor.saved_bytes:
+        note = _floor_note(budget, floor, search.lowest_peak_saving_less(floor.saved_bytes))
+        return dataclasses.replace(floor, note=note), floor.saved_bytes
+    return search.fastest_within(target), target
+
+
+def _rung(label: str, solution: BudgetSolution) -> Rung:
+    return Rung(label, solution.peak, tuple(sorted(n.name for n in solution.saved)))
 
 
 def _solve_for_peak(flow: FlowGraph, budget, profile, optimal: BudgetSolution, target: int | None,
@@ -178,6 +234,7 @@ def _solve_for_peak(flow: FlowGraph, budget, profile, optimal: BudgetSolution, t
         optimal_bytes=optimal.saved_bytes,
         cuts=cuts,
         solve_time_s=time.perf_counter() - start,
+        rungs=(_rung(RUNTIME_OPTIMAL, optimal),),
     )
 
 

@@ -6,7 +6,7 @@ import dataclasses
 import torch.fx as fx
 
 from .canonical import op_label
-from .budget import BudgetSolution
+from .budget import BudgetSolution, Rung
 from .classify import GraphFacts, NodeFacts, activation_bytes, recomputed_nodes, user_wants_recompute
 from .ops import Recompute
 from .peak import PeakEstimate
@@ -65,6 +65,9 @@ class Plan:
     """Estimated time of heavy ops recomputed to fit the budget."""
     solve_time_s: float = 0.0
     """Wall time of the decision (min cuts and budget search)."""
+    rungs: tuple[Rung, ...] = ()
+    """The plans of looser budgets the step view may fall back to when this
+    one measures above what they are predicted to peak (budget.ladder)."""
 
     @property
     def saved(self) -> tuple[str, ...]:
@@ -122,6 +125,7 @@ def build_plan(facts: GraphFacts, saved: list[fx.Node], solution: BudgetSolution
         peak_estimate=solution.peak,
         recompute_time_s=solution.recompute_time_s,
         solve_time_s=solution.solve_time_s,
+        rungs=solution.rungs,
     )
 
 

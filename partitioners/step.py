@@ -83,6 +83,9 @@ class StepContext:
     byte_share: float = 1.0
     """This graph's share of a byte budget per call: its runtime-optimal
     saved bytes over the step's (a byte budget is the step's total)."""
+    fallback: str | None = None
+    """Why the graph plans for a looser budget than its own: the step
+    measured lower with it (ckpt/step_view.py's ladder)."""
 
     def step_peak(self, cost: GraphCost) -> int:
         """The step's predicted (and corrected) peak if this graph plans ``cost``."""
@@ -101,6 +104,8 @@ class StepContext:
         text = f"{self.calls} call(s) in a step of {len(self.moments)} graph call(s)"
         if self.measured:
             text += f", peak model corrected by x{self.correction:.3f} from a measured step"
+        if self.fallback:
+            text += f"; {self.fallback}"
         return text
 
 
@@ -110,6 +115,7 @@ def step_context(
     costs: Mapping[str, GraphCost],
     correction: float = 1.0,
     measured: bool = False,
+    fallback: str | None = None,
 ) -> StepContext:
     """The context of graph ``key`` in a step that called ``sequence``; a
     graph of unknown cost counts as nothing (the measurement corrects it)."""
@@ -127,7 +133,7 @@ def step_context(
             held_before += cost.held_bytes
     step_optimal = sum(costs.get(name, unknown).optimal_bytes for name in sequence)
     share = own.optimal_bytes / step_optimal if step_optimal and own.optimal_bytes else 1.0
-    return StepContext(tuple(moments), own_before, correction, measured, share)
+    return StepContext(tuple(moments), own_before, correction, measured, share, fallback)
 
 
 def predicted_step_peak(sequence: Sequence[str], costs: Mapping[str, GraphCost]) -> int:

@@ -2,6 +2,7 @@ import pytest
 import torch
 import torch._dynamo
 import torch.compiler.config
+import torch.nn as nn
 from functorch.compile import aot_function, nop
 
 from partitioners.config import Config
@@ -55,3 +56,29 @@ def aot_partition(fn, *args, tag=None, config=Config()):
 def node_named(gm, name):
     (node,) = [n for n in gm.graph.nodes if n.name == name]
     return node
+
+
+class Block(nn.Module):
+    """A residual MLP block (d=64)."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(64, 256), nn.Linear(256, 64)
+
+    def forward(self, x):
+        return x + self.down(torch.nn.functional.gelu(self.up(x)))
+
+
+class GraphBrokenBlocks(nn.Module):
+    """Three Blocks with a graph break between each: three graphs a step."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block() for _ in range(3))
+
+    def forward(self, x):
+        x = self.blocks[0](x)
+        torch._dynamo.graph_break()
+        x = self.blocks[1](x)
+        torch._dynamo.graph_break()
+        return self.blocks[2](x).square().mean()

@@ -7,9 +7,9 @@ profiler's memory events over one forward and backward)."""
 import pytest
 import torch
 import torch._dynamo
-import torch.nn as nn
 
 from bench.measure import peak_cpu_bytes
+from conftest import Block, GraphBrokenBlocks
 from bench.models import GPT, GPTConfig, gpt_batch
 from ckpt import make_backend, step_view
 
@@ -118,33 +118,9 @@ def test_peak_cap_holds_for_the_step_and_is_measured():
     assert "measured / predicted" in view.describe()
 
 
-class _Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.up, self.down = nn.Linear(64, 256), nn.Linear(256, 64)
-
-    def forward(self, x):
-        return x + self.down(torch.nn.functional.gelu(self.up(x)))
-
-
-class _Broken(nn.Module):
-    """Three blocks with a graph break between each: three graphs."""
-
-    def __init__(self):
-        super().__init__()
-        self.blocks = nn.ModuleList(_Block() for _ in range(3))
-
-    def forward(self, x):
-        x = self.blocks[0](x)
-        torch._dynamo.graph_break()
-        x = self.blocks[1](x)
-        torch._dynamo.graph_break()
-        return self.blocks[2](x).square().mean()
-
-
 def _train_broken(steps: int) -> step_view.StepView:
-    """``steps`` steps of _Broken compiled at 0.0; the step view after them."""
-    model = torch.compile(_Broken(), backend=make_backend(strict=True, memory_budget=0.0))
+    """``steps`` steps of GraphBrokenBlocks compiled at 0.0; the step view after them."""
+    model = torch.compile(GraphBrokenBlocks(), backend=make_backend(strict=True, memory_budget=0.0))
     x = torch.randn(32, 64)
     for _ in range(steps):
         model(x).backward()
@@ -180,7 +156,7 @@ def test_a_backend_per_block_plans_every_entry_for_the_step():
     """Blocks of one shape, each compiled with a backend of its own: one
     graph in the step view, called three times, and each of Dynamo's three
     entries for it is planned again for the step (once each)."""
-    blocks = [_Block() for _ in range(3)]
+    blocks = [Block() for _ in range(3)]
     backends = [make_backend(strict=True, memory_budget=0.0) for _ in blocks]
     for block, backend in zip(blocks, backends):
         block.compile(backend=backend)
@@ -196,7 +172,7 @@ def test_a_backend_per_block_plans_every_entry_for_the_step():
 
 
 def test_step_planning_off_plans_each_graph_alone():
-    model = torch.compile(_Broken(), backend=make_backend(strict=True, memory_budget=0.0, step_planning=False))
+    model = torch.compile(GraphBrokenBlocks(), backend=make_backend(strict=True, memory_budget=0.0, step_planning=False))
     x = torch.randn(32, 64)
     for _ in range(3):
         model(x).backward()
