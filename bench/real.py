@@ -16,6 +16,9 @@ from bench.cases import Case
 
 # name -> package it needs
 REAL = {name: "transformers" for name in ("gpt2", "llama", "bert", "vit", "resnet", "llama8")}
+# Families at realistic sizes (bench/families.py) the peak model was not fitted on.
+FAMILY_CASES = ("t5", "convnext", "gpt_neox", "gemma", "whisper", "swin")
+REAL.update({name: "transformers" for name in FAMILY_CASES})
 
 SEQ, VOCAB, BATCH = 64, 512, 4  # tiny: CPU-sized, like the built-in GPT
 # llama8: the shape a user reported (8 layers, d=256, 4 heads, 2 KV heads).
@@ -121,6 +124,10 @@ class _Logits(nn.Module):
 
 def real_case(name: str) -> Case:
     """The Case of a real model; call only when ``missing(name)`` is None."""
+    if name in FAMILY_CASES:
+        from bench.families import family_case
+
+        return family_case(name)
     if name == "llama8":
         return Case(
             name, f"transformers Llama, 8 layers, d=256, 4 heads, 2 KV heads, seq {LONG_SEQ}",

@@ -1,20 +1,25 @@
-"""Budgets in the step, as users compile: per block and with graph breaks,
-on transformers decoders the rest of the bench does not use (Qwen2,
-GPT-NeoX, Gemma, Mistral; random weights, no downloads). Qwen2 and Mistral differ only in biases at these settings;
-GPT-NeoX (parallel attention and MLP, LayerNorm, GELU, partial rotary) and
-Gemma (GeGLU, one KV head, tied embeddings) are other shapes of layer.
+"""Budgets in the step, as users compile (per block, with graph breaks, whole
+model), on architecture families of bench/families.py the peak model was
+not fitted on: decoders (Qwen2, Mistral, GPT-NeoX, Gemma) and T5, Whisper,
+ConvNeXt and Swin; transformers configs, random weights, no downloads.
 
     python -m bench.step_budget                       # Qwen2, GPT-NeoX, Gemma; every layout
     python -m bench.step_budget --families qwen2 --layouts per-block
+    python -m bench.step_budget --families t5 convnext --layouts whole
 
 (Batches of varying length under a cap: python -m bench.variable_length.)
 
 Each row trains a fresh copy (same seed, AdamW) for ``--steps`` steps, so
-that ckpt's step view has learnt the step, planned it again and measured it,
-then measures one more step: peak bytes allocated during forward and
-backward above what is alive before it (CPU: profiler memory events). Next
-to it: the step view's predicted and measured peak for the plan that runs,
-its recompiles, and whether the losses equal torch.compile's in the same
+that ckpt's step view has learnt the step, planned it again, measured it
+and tried the looser budgets it had to (ckpt/step_view.py), then measures
+two more steps: peak bytes allocated during forward and backward above
+what is alive before it (CPU: profiler memory events). Next to it: the
+peak against the reference (per-layer eager checkpointing, or eager where
+transformers cannot checkpoint the family) and against ckpt's default plan;
+the step view's predicted and measured peak at its first measured step
+(the uncorrected model) and for the plans that run; what learning the step
+cost (measured steps, recompiles, wall time of the steps before the
+measured ones); and whether the losses equal torch.compile's in the same
 layout bit for bit. Writes results.md and results.json into --out.
 """
 from __future__ import annotations
@@ -28,38 +33,20 @@ import time
 import torch
 import torch._dynamo
 
+from bench import families
 from bench.measure import peak_cpu_bytes
 from ckpt import make_backend, step_view
 
 DEFAULT_OUT = pathlib.Path("bench/results/step_budget")
-FAMILIES = ("qwen2", "gpt_neox", "gemma", "mistral")
+FAMILIES = tuple(families.FAMILIES)
+VOCAB = families.VOCAB
 DEFAULT_FAMILIES = ("qwen2", "gpt_neox", "gemma")
 LAYOUTS = ("per-block", "graph-broken", "whole")
-VOCAB = 512
 
 
 def build(family: str, layers: int, width: int, seq: int) -> torch.nn.Module:
-    """A decoder of ``family`` from its transformers config, random weights, SDPA."""
-    import transformers as tf
-
-    torch.manual_seed(0)
-    common = dict(
-        vocab_size=VOCAB, hidden_size=width, intermediate_size=width * 11 // 4, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max(seq, 512), use_cache=False,
-        attn_implementation="sdpa",
-    )
-    if family == "qwen2":
-        return tf.Qwen2ForCausalLM(tf.Qwen2Config(**common))
-    if family == "mistral":
-        return tf.MistralForCausalLM(tf.MistralConfig(sliding_window=None, **common))
-    if family == "gemma":
-        common.update(num_key_value_heads=1, head_dim=width // 4)
-        return tf.GemmaForCausalLM(tf.GemmaConfig(**common))
-    if family == "gpt_neox":
-        del common["num_key_value_heads"]
-        common.update(intermediate_size=width * 4, use_parallel_residual=True)
-        return tf.GPTNeoXForCausalLM(tf.GPTNeoXConfig(**common))
-    raise ValueError(f"unknown family {family!r}; use one of {', '.join(FAMILIES)}")
+    """A model of ``family`` (bench/families.py), random weights."""
+    return families.build(family, layers, width, seq)
 
 
 def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
@@ -75,7 +62,9 @@ def prepare(model: torch.nn.Module, layout: str, mode: str):
     """``model`` compiled as ``layout`` for ``mode``: "eager+checkpoint",
     "compile", "compile+budget=F" (PyTorch's own budget) or "ckpt[+budget=B]".
     Returns the callable to step."""
-    layers = decoder_layers(model)
+    layers = [layer for stack in families.checkpointed_layers(model) for layer in stack]
+    if mode == "eager":
+        return model
     if mode == "eager+checkpoint":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         return model
@@ -106,12 +95,12 @@ def run_mode(family, layout, mode, settings, batches) -> dict:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     losses, peaks, times = [], [], []
     with torch._functorch.config.patch(**budget_patch):
-        for index, tokens in enumerate(batches):
+        for index, inputs in enumerate(batches):
             optimizer.zero_grad(set_to_none=True)
             box = {}
 
             def step():
-                loss = fn(input_ids=tokens, labels=tokens).loss
+                loss = families.FAMILIES[family].loss(fn, inputs)
                 loss.backward()
                 box["loss"] = loss.detach()
 
@@ -126,11 +115,18 @@ def run_mode(family, layout, mode, settings, batches) -> dict:
             losses.append(box["loss"].item())
     view.finish_step()
     last = view.measurements[-1] if view.measurements else None
+    first = view.measurements[0] if view.measurements else None
     return {
         "family": family, "layout": layout, "mode": mode,
         "peak_bytes": max(peaks), "peaks": peaks, "losses": losses,
         "step_s": statistics.median(times[-settings.measured_steps:]),
+        # What learning the step cost: every step before the measured ones
+        # (compiles, re-plans, measured steps), next to compile's.
+        "warmup_s": sum(times[:-settings.measured_steps]),
         "recompiles": view.recompiles,
+        "view_steps": len(view.measurements),
+        "view_first_predicted_bytes": first.predicted_bytes if first else None,
+        "view_first_measured_bytes": first.measured_bytes if first else None,
         "view_predicted_bytes": last.predicted_bytes if last else None,
         "view_measured_bytes": last.measured_bytes if last else None,
         "view": view.describe() if mode.startswith("ckpt") else None,
@@ -138,17 +134,24 @@ def run_mode(family, layout, mode, settings, batches) -> dict:
 
 
 class Settings(argparse.Namespace):
-    layers = 6
-    width = 128
-    seq = 512
-    batch = 2
-    steps = 8
+    """Sizes default to each family's (bench/families.py)."""
+
+    layers = width = seq = batch = None
+    steps = 12
     measured_steps = 2
 
 
-def fixed_batches(settings) -> list[torch.Tensor]:
-    generator = torch.Generator().manual_seed(0)
-    return [torch.randint(VOCAB, (settings.batch, settings.seq), generator=generator) for _ in range(settings.steps)]
+def sized(settings, family: str) -> Settings:
+    """``settings`` with the family's realistic sizes where none was given."""
+    result = Settings(**vars(settings))
+    for name, value in zip(("layers", "width", "seq", "batch"), families.FAMILIES[family].size):
+        if getattr(result, name) is None:
+            setattr(result, name, value)
+    return result
+
+
+def fixed_batches(settings, family: str = "qwen2") -> list[dict]:
+    return families.batches(family, settings.steps, settings.batch, settings.seq)
 
 
 def losses_against(losses: list[float], reference: list[float]) -> str:
@@ -160,54 +163,76 @@ def losses_against(losses: list[float], reference: list[float]) -> str:
 
 def table(rows: list[dict], reference: dict) -> list[str]:
     lines = [
-        "| family | layout | mode | step peak MiB | / eager+checkpoint | view predicted MiB | view measured MiB | recompiles | losses = compile's |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| family | layout | mode | step peak MiB | / reference | / ckpt | view predicted / measured MiB, first step | "
+        "the plan that runs | view steps | recompiles | warm-up s | losses = compile's |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         ref = reference.get(row["family"])
-        compile_losses = next(
-            (r["losses"] for r in rows if (r["family"], r["layout"], r["mode"]) == (row["family"], row["layout"], "compile")),
-            None,
+        same_layout = lambda mode: next(  # noqa: E731
+            (r for r in rows if (r["family"], r["layout"], r["mode"]) == (row["family"], row["layout"], mode)), None
         )
-        same = "-" if compile_losses is None or row["mode"] in ("compile", "eager+checkpoint") else (
-            losses_against(row["losses"], compile_losses)
+        compiled, default = same_layout("compile"), same_layout("ckpt")
+        same = "-" if compiled is None or row["mode"] in ("compile", "eager+checkpoint", "eager") else (
+            losses_against(row["losses"], compiled["losses"])
         )
         mib = lambda v: "-" if v is None else f"{v / 2**20:.2f}"  # noqa: E731
+        pair = lambda a, b: "-" if a is None else f"{mib(a)} / {mib(b)} ({b / a - 1:+.0%})"  # noqa: E731
         lines.append(
             f"| {row['family']} | {row['layout']} | {row['mode']} | {mib(row['peak_bytes'])} | "
-            f"{row['peak_bytes'] / ref:.2f} | {mib(row['view_predicted_bytes'])} | {mib(row['view_measured_bytes'])} | "
-            f"{row['recompiles']} | {same} |"
+            f"{row['peak_bytes'] / ref:.2f} | "
+            f"{'-' if default is None else format(row['peak_bytes'] / default['peak_bytes'], '.2f')} | "
+            f"{pair(row.get('view_first_predicted_bytes'), row.get('view_first_measured_bytes'))} | "
+            f"{pair(row['view_predicted_bytes'], row['view_measured_bytes'])} | {row.get('view_steps', '-')} | "
+            f"{row['recompiles']} | {row.get('warmup_s', 0):.0f} | {same} |"
         )
     return lines
+
+
+def modes_for(layout: str, cap: int) -> list[str]:
+    modes = ["compile", "ckpt", "ckpt+budget=0.5", "ckpt+budget=0.0", f"ckpt+budget=peak:{cap}"]
+    if layout == "per-block":
+        modes.insert(1, "compile+budget=0.5")
+    return modes
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m bench.step_budget", description=__doc__.splitlines()[0])
     p.add_argument("--families", nargs="+", default=list(DEFAULT_FAMILIES), choices=FAMILIES)
     p.add_argument("--layouts", nargs="+", default=list(LAYOUTS))
+    p.add_argument("--modes", nargs="+", help="instead of every mode (a peak: cap is given as 'peak')")
     p.add_argument("--cap-of-checkpoint", type=float, default=1.15,
-                   help="the peak: cap as a multiple of eager+checkpoint's measured peak")
+                   help="the peak: cap as a multiple of the reference's measured peak")
     p.add_argument("--out", type=pathlib.Path, default=DEFAULT_OUT)
     p.add_argument("--steps", type=int, default=Settings.steps)
+    for name in ("layers", "width", "seq", "batch"):
+        p.add_argument(f"--{name}", type=int, help="instead of the family's own (bench/families.py)")
     args = p.parse_args(argv, namespace=Settings())
     torch._dynamo.config.cache_size_limit = 64  # per-block compile: one entry per layer's backend
     rows, reference, lines = [], {}, ["# Budgets in the step", ""]
     for family in args.families:
-        batches = fixed_batches(args)
-        checkpointed = run_mode(family, "eager", "eager+checkpoint", args, batches)
+        settings = sized(args, family)
+        batches = fixed_batches(settings, family)
+        # The reference: per-layer eager checkpointing, or eager where
+        # transformers cannot checkpoint the model per layer.
+        checkpointing = families.FAMILIES[family].per_layer_checkpointing
+        ref_mode = "eager+checkpoint" if checkpointing else "eager"
+        checkpointed = run_mode(family, "eager", ref_mode, settings, batches)
         rows.append(checkpointed)
         reference[family] = checkpointed["peak_bytes"]
         cap = int(checkpointed["peak_bytes"] * args.cap_of_checkpoint)
         for layout in args.layouts:
-            modes = ["compile", "ckpt", "ckpt+budget=0.0", f"ckpt+budget=peak:{cap}"]
-            if layout == "per-block":
-                modes.insert(1, "compile+budget=0.5")
-                modes.insert(4, "ckpt+budget=0.5")
+            modes = modes_for(layout, cap)
+            if args.modes:
+                modes = [f"ckpt+budget=peak:{cap}" if m == "peak" else m for m in args.modes]
             for mode in modes:
-                row = run_mode(family, layout, mode, args, batches)
+                row = run_mode(family, layout, mode, settings, batches)
                 rows.append(row)
                 print(table([row], reference)[-1], flush=True)
-        lines.append(f"{family}: cap {cap / 2**20:.2f} MiB ({args.cap_of_checkpoint}x eager+checkpoint)")
+        lines.append(
+            f"{family} ({settings.layers} layers, width {settings.width}, seq/image {settings.seq}, "
+            f"batch {settings.batch}): reference {ref_mode}, cap {cap / 2**20:.2f} MiB ({args.cap_of_checkpoint}x it)"
+        )
     lines += ["", *table(rows, reference), ""]
     for row in rows:
         if row["view"]:
