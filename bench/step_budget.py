@@ -25,6 +25,7 @@ layout bit for bit. Writes results.md and results.json into --out.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import pathlib
 import statistics
@@ -114,7 +115,7 @@ def run_mode(family, layout, mode, settings, batches) -> dict:
             optimizer.step()
             losses.append(box["loss"].item())
     view.finish_step()
-    last = view.measurements[-1] if view.measurements else None
+    last = _of_plans_that_run(view)
     first = view.measurements[0] if view.measurements else None
     return {
         "family": family, "layout": layout, "mode": mode,
@@ -129,8 +130,16 @@ def run_mode(family, layout, mode, settings, batches) -> dict:
         "view_first_measured_bytes": first.measured_bytes if first else None,
         "view_predicted_bytes": last.predicted_bytes if last else None,
         "view_measured_bytes": last.measured_bytes if last else None,
+        "view_measurements": [dataclasses.asdict(m) for m in view.measurements],
         "view": view.describe() if mode.startswith("ckpt") else None,
     }
+
+
+def _of_plans_that_run(view) -> step_view.Measurement | None:
+    """The latest measurement of the plans the step runs now (after a
+    fallback the view may go back to plans it measured earlier)."""
+    running = {step_view._sequence_id(seq): state.rung for seq, state in view.sequences.items()}
+    return next((m for m in reversed(view.measurements) if running.get(m.sequence_id) == m.rung), None)
 
 
 class Settings(argparse.Namespace):
