@@ -151,7 +151,7 @@ class StepView:
         fallback = None
         if state.rung != OWN:
             fallback = (
-                f"runs the plan of budget {_rung_name(state.rung)}, not its own ({budget}): "
+                f"runs the plans of {_rung_name(state.rung)}, not its own ({budget}): "
                 f"measured step peaks {_tried_text(state.tried)}"
             )
         context = step_context(key, sequence, self.costs, state.correction, state.measured, fallback)
@@ -354,6 +354,12 @@ class StepView:
         self._meter = None
 
     # -- what a reader sees ---------------------------------------------------
+
+    @property
+    def settled(self) -> bool:
+        """Every kind of step seen has settled on its plans (the view will not
+        re-plan them, nor try another rung): what runs now is what runs on."""
+        return bool(self.sequences) and all(state.settled for state in self.sequences.values())
 
     def describe(self) -> str:
         """The step view as markdown: graphs, calls, predicted and measured peaks."""
