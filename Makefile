@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: install test test-torch2.14 demo bench train clean
+.PHONY: install test check-package test-torch2.14 demo bench train clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -18,6 +18,16 @@ install: $(VENV)/.installed
 
 test: install
 	$(PY) -m pytest -q tests
+
+# What a user gets from `pip install .` (not editable): a fresh venv, the
+# wheel alone, checked from outside the checkout (tests/package_check.py).
+PACKAGE_VENV ?= /tmp/ckpt-package-venv
+check-package:
+	rm -rf $(PACKAGE_VENV)
+	$(PYTHON) -m venv $(PACKAGE_VENV)
+	$(PACKAGE_VENV)/bin/python -m pip install --quiet "torch==2.13.0"
+	$(PACKAGE_VENV)/bin/python -m pip install --quiet .
+	cd $(PACKAGE_VENV) && bin/python $(CURDIR)/tests/package_check.py
 
 # The same suite on torch 2.14.1, in its own venv (.venv stays on 2.13.0,
 # which CI tests). 2.14.1 and its CUDA libraries are on the machine's disk:

@@ -203,7 +203,7 @@ def _loss(runner: Runner, inputs: tuple, run: Run) -> torch.Tensor:
 
 def _add_optimizer_state(runner: Runner, optimizer: torch.optim.Optimizer, report_dir: str | None) -> None:
     """Rewrite ckpt's reports in ``report_dir`` with the optimizer's state in their ledger."""
-    from reports.report import add_optimizer_state, write_report
+    from ckpt.reports.report import add_optimizer_state, write_report
 
     if report_dir is None:
         return

@@ -11,9 +11,9 @@ import pathlib
 import subprocess
 import sys
 
-from reports.diff import diff_against_pytorch, diff_reports
-from reports.graph_svg import GraphvizMissing, write_svg
-from reports.report import shape_problem
+from .reports.diff import diff_against_pytorch, diff_reports
+from .reports.graph_svg import GraphvizMissing, write_svg
+from .reports.report import shape_problem
 
 BAD_INPUT = 2
 """Exit code for input the CLI cannot use (argparse's own code for bad arguments)."""

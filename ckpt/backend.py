@@ -13,7 +13,7 @@ from partitioners.config import Config, ConfigError, as_config, warn_once
 from partitioners.partition import CkptPartitioner, Outcome
 from partitioners.pytorch_settings import with_pytorch_budgets
 from partitioners.plan import Plan
-from reports.report import build_report, write_report
+from .reports.report import build_report, write_report
 
 from .step_view import PlannedGraph, current as current_step_view
 

@@ -39,7 +39,7 @@ def render_reports(model, *example_inputs, config=None, loss_fn=None) -> str:
     import torch
 
     from ckpt import Config, make_backend
-    from reports.report import render_markdown
+    from .reports.report import render_markdown
 
     with tempfile.TemporaryDirectory() as folder:
         backend = make_backend(config or Config(), strict=True, report_dir=folder)

@@ -17,8 +17,8 @@ from ckpt.__main__ import main as ckpt_cli
 from ckpt.pytest_plugin import compare_with_golden, render_reports, training_loss
 from partitioners import _torch_compat as compat
 from partitioners.partition import CkptPartitioner
-from reports import graph_svg
-from reports.report import render_markdown, write_report
+from ckpt.reports import graph_svg
+from ckpt.reports.report import render_markdown, write_report
 
 GPT_DROPOUT = GPTConfig(depth=2, width=32, heads=2, seq=16, vocab=64, dropout=0.1)
 
