@@ -36,7 +36,7 @@ MiB = 2**20
 PARTS = ("sweep", "honored", "depth", "solver")
 CKPT_FRACTIONS = (1.0, 0.7, 0.4, 0.2, 0.0)
 PYTORCH_FRACTIONS = (0.5, 0.2, 0.05)
-# DESIGN.md's model, 12 layers deep (the issue's), at a width that compiles
+# The bench's GPT, 12 layers deep, at a width that compiles
 # in well under a minute on 2 cores.
 SWEEP_GPT = GPTConfig(depth=12, width=128, heads=4, seq=256, vocab=512)
 SWEEP_BATCH = 4

@@ -8,7 +8,7 @@ backward), the predicted peak next to the measured one, the op running when
 the measured peak is reached and the sizes of the buffers alive then (CPU
 profiler memory events: +bytes on allocation, -bytes on free, a size
 multiset), and whether Inductor's reorder_for_peak_memory kept graph order
-for each compiled graph. This is DESIGN.md's calibration method in one
+for each compiled graph. This is the calibration method of docs/peak_model.md in one
 command: a missing term in the model shows up as a buffer size nobody
 predicted.
 """

@@ -2,7 +2,7 @@
 
     python -m bench.compare --model gpt --repeats 10
 
-A thin front end over bench.harness, at the sizes of shared/DESIGN.md: the
+A thin front end over bench.harness, at the sizes of build_case below: the
 same measurements as ``python -m bench`` (every mode on its own copy of the
 same initial model and batch; step times with the modes interleaved, medians
 and ratios reported), without the batch search and the files.
@@ -24,7 +24,7 @@ MiB = 2**20
 
 
 def build_case(name: str) -> Case:
-    """The workload at the sizes in shared/DESIGN.md."""
+    """The workload: a 6-layer GPT (d=256, seq 256, batch 4) or an MLP."""
     if name in ("gpt", "gpt-dropout"):
         dropout = 0.1 if name == "gpt-dropout" else 0.0
         return gpt_case(GPTConfig(depth=6, width=256, heads=8, seq=256, vocab=1024, dropout=dropout), batch=4)

@@ -11,7 +11,7 @@ The step's predicted peak is the largest, over the calls, of
     held bytes of the earlier calls + max(own forward peak,
                                           own backward peak + later calls' gradients)
 
-(the additive model of DESIGN.md). A graph planned in a step sees the other
+(costs add over the calls; docs/budget.md). A graph planned in a step sees the other
 graphs' calls as constants and its own calls through its plan: for a block
 among many, a saved byte costs once per call.
 
