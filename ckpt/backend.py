@@ -9,6 +9,7 @@ from collections.abc import Mapping
 import torch
 
 from partitioners import _torch_compat as compat
+from partitioners.budget import resolved_budget
 from partitioners.config import Config, ConfigError, as_config, warn_once
 from partitioners.partition import CkptPartitioner, Outcome
 from partitioners.pytorch_settings import with_pytorch_budgets
@@ -67,7 +68,9 @@ class CkptBackend:
             # activation_memory_budget) are honored, not dropped.
             config = with_pytorch_budgets(self.config, gm)
             patches = inductor_patches(mode, options)
-            check_peak_auto(config, example_inputs)
+            # Resolved once, before Inductor starts: every plan of this
+            # graph (the step view's re-plans too) is for the same bytes.
+            config = config.replace(memory_budget=resolved_budget(config.memory_budget, inputs_device(example_inputs)))
         except ConfigError as error:
             # Raised here, a setting error would reach the user as the second
             # line of Dynamo's BackendCompilerFailed; this class passes through.
@@ -152,19 +155,10 @@ def write_graph_report(outcome: Outcome, folder: str) -> dict | None:
     return None
 
 
-def check_peak_auto(config: Config, example_inputs) -> None:
-    """``peak:auto`` plans for a CUDA device's free memory: anywhere else it
-    is a setting error, raised before Inductor starts."""
-    budget = config.memory_budget
-    if budget is None or not budget.peak_auto:
-        return
-    devices = {t.device.type for t in example_inputs if isinstance(t, torch.Tensor)}
-    if "cuda" not in devices:
-        raise ConfigError(
-            "memory_budget='peak:auto' needs a CUDA device (it plans for the device's free "
-            f"memory); this graph runs on {', '.join(sorted(devices)) or 'no device'}. Give the "
-            "peak in bytes instead, e.g. CKPT_MEMORY_BUDGET=peak:6GiB"
-        )
+def inputs_device(example_inputs) -> torch.device | None:
+    """Where the graph runs: a CUDA device if any input is on one."""
+    devices = [t.device for t in example_inputs if isinstance(t, torch.Tensor)]
+    return next((d for d in devices if d.type == "cuda"), devices[0] if devices else None)
 
 
 def inductor_patches(mode: str | None, options: Mapping | None) -> dict:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import functools
 import itertools
 import math
 import time
@@ -65,24 +66,31 @@ FAMILIES_TRIED = 3
 
 
 @dataclasses.dataclass(frozen=True)
-class BudgetSolution:
-    """What the solver chose, and what it cost to choose it."""
+class _Cut:
+    """One min cut the search made: what it saves and what that costs."""
 
     saved: tuple[fx.Node, ...]
-    target_bytes: int
     saved_bytes: int
-    optimal_bytes: int
-    """Saved bytes of the runtime-optimal plan (what fraction budgets scale)."""
+    estimated_peak_bytes: int
+    peak: PeakEstimate
     boundaries: frozenset[fx.Node] = frozenset()
     """Spine values saved as segment boundaries."""
     rate: float = 0.0
     """The recompute price (bytes per second of heavy ops) of the cut."""
     priced_recomputed: frozenset[fx.Node] = frozenset()
     """Heavy ops recomputed because of the budget."""
-    estimated_peak_bytes: int = 0
-    peak: PeakEstimate | None = None
     recompute_time_s: float = 0.0
     """Estimated runtime of the heavy ops recomputed because of the budget."""
+
+
+@dataclasses.dataclass(frozen=True)
+class BudgetSolution(_Cut):
+    """The cut the solver chose, what it was chosen for, and what choosing cost."""
+
+    target_bytes: int = 0
+    """Saved bytes (fraction, bytes) or predicted step peak (peak) allowed."""
+    optimal_bytes: int = 0
+    """Saved bytes of the runtime-optimal plan (what fraction budgets scale)."""
     fits: bool = True
     note: str | None = None
     """Why the plan saves what it does when that is not plain from the budget
@@ -91,6 +99,10 @@ class BudgetSolution:
     solve_time_s: float = 0.0
     rungs: tuple["Rung", ...] = ()
     """Looser plans a measured step may fall back to (LADDER), tight to loose."""
+
+    @classmethod
+    def of(cls, cut: _Cut, **outcome) -> "BudgetSolution":
+        return cls(**{field.name: getattr(cut, field.name) for field in dataclasses.fields(_Cut)}, **outcome)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,16 +143,15 @@ def rung_budget(label: str) -> MemoryBudget | None:
 
 
 def solve_with_budget(
-    facts: GraphFacts, budget: MemoryBudget | None, profile: DeviceProfile,
-    peak_target: int | None = None, context: StepContext | None = None,
+    facts: GraphFacts, budget: MemoryBudget | None, profile: DeviceProfile, context: StepContext | None = None,
 ) -> BudgetSolution:
-    """The saved set for ``budget`` (None: the runtime-optimal one).
+    """The saved set for ``budget`` (None: the runtime-optimal one), a
+    resolved one (``resolved_budget``: no ``peak:auto`` left).
 
     A byte budget is a hard limit. A fraction never goes below the plan of
     lowest estimated peak: saving less than that plan would only raise the
     peak (the non-monotone budget PyTorch users report). A peak budget takes
-    the fastest plan whose predicted step peak is at most ``peak_target``
-    (``resolve_peak_target`` turns ``peak:auto`` into bytes).
+    the fastest plan whose predicted step peak is at most its bytes.
 
     With a step ``context`` (partitioners/step.py), every predicted peak is
     the step's with this graph's plan in it, and a byte budget is the step's
@@ -148,94 +159,74 @@ def solve_with_budget(
     """
     start = time.perf_counter()
     flow = build_flow_graph(facts)  # once: the search's cuts differ in terminal edges only
-    saved = _min_cut(flow)
-    peak = estimate_step_peak(facts, saved)
-    optimal = BudgetSolution(
-        saved=tuple(saved),
-        target_bytes=0,
-        saved_bytes=activation_bytes(facts, saved),
-        optimal_bytes=0,
-        estimated_peak_bytes=predicted_peak(peak, context),
-        peak=peak,
-    )
-    if budget is not None and budget.is_peak:
-        return _solve_for_peak(flow, budget, profile, optimal, peak_target, start, context)
-    target = _target_bytes(budget, optimal.saved_bytes, context)
-    if target >= optimal.saved_bytes:  # no budget, or one the fastest plan fits
-        return dataclasses.replace(
-            optimal,
-            target_bytes=target,
-            optimal_bytes=optimal.saved_bytes,
-            solve_time_s=time.perf_counter() - start,
-        )
+    optimal = _cut_of(facts, _min_cut(flow), context)
     search = _Search(flow, profile, context)
-    solution, target = _within_fraction_or_bytes(search, budget, target, optimal)
-    rungs = tuple(
-        _rung(label, optimal if label == RUNTIME_OPTIMAL else _within_fraction_or_bytes(
-            search, rung_budget(label), _target_bytes(rung_budget(label), optimal.saved_bytes), optimal)[0])
-        for label in ladder(budget)
-    )
-    if not solution.fits:
-        warnings.warn(
-            f"ckpt: memory budget {budget} ({target} bytes) is below the smallest plan "
-            f"this graph allows ({solution.saved_bytes} bytes); using that plan",
-            stacklevel=2,
+    if budget is not None and budget.is_peak:
+        cut, target, rungs = _solve_for_peak(search, budget, optimal, context), budget.peak_bytes, (
+            _rung(RUNTIME_OPTIMAL, optimal),
         )
-    return dataclasses.replace(
-        solution,
-        target_bytes=target,
-        optimal_bytes=optimal.saved_bytes,
-        cuts=search.cuts + 1,
-        solve_time_s=time.perf_counter() - start,
-        rungs=rungs,
+        fits = cut.estimated_peak_bytes <= _planned_peak(budget, context)
+        note = None
+    else:
+        asked = _target_bytes(budget, optimal.saved_bytes, context)
+        cut, target, note = _within_fraction_or_bytes(search, budget, asked, optimal)
+        fits = cut.saved_bytes <= target
+        rungs = tuple(
+            _rung(label, _within_fraction_or_bytes(
+                search, rung_budget(label), _target_bytes(rung_budget(label), optimal.saved_bytes), optimal)[0])
+            for label in ladder(budget)
+        ) if asked < optimal.saved_bytes else ()
+        if not fits:
+            warnings.warn(
+                f"ckpt: memory budget {budget} ({target} bytes) is below the smallest plan "
+                f"this graph allows ({cut.saved_bytes} bytes); using that plan",
+                stacklevel=2,
+            )
+    return BudgetSolution.of(
+        cut, target_bytes=target, optimal_bytes=optimal.saved_bytes, fits=fits, note=note,
+        cuts=search.cuts + 1, solve_time_s=time.perf_counter() - start, rungs=rungs,
     )
 
 
-def _within_fraction_or_bytes(search: "_Search", budget: MemoryBudget, target: int, optimal: BudgetSolution):
-    """The fastest plan saving at most ``target`` bytes, and the target; a
-    ckpt fraction stops at the plan of lowest predicted peak instead."""
-    if target >= optimal.saved_bytes:
-        return optimal, target
+def _within_fraction_or_bytes(search: "_Search", budget: MemoryBudget | None, target: int, optimal: _Cut):
+    """The fastest cut saving at most ``target`` bytes, the target, and a
+    note; a ckpt fraction stops at the cut of lowest predicted peak instead."""
+    if target >= optimal.saved_bytes:  # no budget, or one the fastest plan fits
+        return optimal, target, None
     floor = search.lowest_peak(optimal) if budget.fraction is not None and not budget.pytorch_meaning else None
     if floor is not None and target <= floor.saved_bytes:
         note = _floor_note(budget, floor, search.lowest_peak_saving_less(floor.saved_bytes))
-        return dataclasses.replace(floor, note=note), floor.saved_bytes
-    return search.fastest_within(target), target
+        return floor, floor.saved_bytes, note
+    return search.fastest_within(target), target, None
 
 
-def _rung(label: str, solution: BudgetSolution) -> Rung:
-    return Rung(label, solution.peak, tuple(sorted(n.name for n in solution.saved)))
+def _rung(label: str, cut: _Cut) -> Rung:
+    return Rung(label, cut.peak, tuple(sorted(n.name for n in cut.saved)))
 
 
-def _solve_for_peak(flow: FlowGraph, budget, profile, optimal: BudgetSolution, target: int | None,
-                    start: float, context: StepContext | None):
-    """The fastest plan whose predicted step peak fits ``target``; if none
-    does, the plan of lowest predicted peak, with a warning."""
-    if target is None:
-        target = budget.peak_bytes
+def _planned_peak(budget: MemoryBudget, context: StepContext | None) -> int:
+    """The predicted step peak a peak budget plans for: its bytes less the
+    model's margin (smaller once the step was measured)."""
     margin = MEASURED_MARGIN if context is not None and context.measured else PEAK_MODEL_MARGIN
-    planned = int(target * (1 - margin))
-    solution, cuts = optimal, 1
-    if optimal.estimated_peak_bytes > planned:
-        search = _Search(flow, profile, context)
-        solution = search.fastest_under_peak(planned, optimal)
-        if solution is None:
-            solution = dataclasses.replace(search.lowest_peak(optimal), fits=False)
-            warnings.warn(
-                f"ckpt: no plan of this graph fits the peak budget {budget} ({target} bytes, "
-                f"planned with a {margin:.0%} margin); the lowest predicted step peak "
-                f"is {solution.estimated_peak_bytes} bytes, using that plan",
-                stacklevel=3,
-            )
-        cuts += search.cuts
-    return dataclasses.replace(
-        solution,
-        target_bytes=target,
-        optimal_bytes=optimal.saved_bytes,
-        cuts=cuts,
-        solve_time_s=time.perf_counter() - start,
-        rungs=(_rung(RUNTIME_OPTIMAL, optimal),),
-    )
+    return int(budget.peak_bytes * (1 - margin))
+
+
+def _solve_for_peak(search: "_Search", budget: MemoryBudget, optimal: _Cut, context: StepContext | None) -> _Cut:
+    """The fastest cut whose predicted step peak fits the budget; if none
+    does, the cut of lowest predicted peak, with a warning."""
+    planned = _planned_peak(budget, context)
+    if optimal.estimated_peak_bytes <= planned:
+        return optimal
+    cut = search.fastest_under_peak(planned, optimal)
+    if cut is None:
+        cut = search.lowest_peak(optimal)
+        warnings.warn(
+            f"ckpt: no plan of this graph fits the peak budget {budget} ({budget.peak_bytes} bytes, "
+            f"planned with a {1 - planned / budget.peak_bytes:.0%} margin); the lowest predicted step peak "
+            f"is {cut.estimated_peak_bytes} bytes, using that plan",
+            stacklevel=3,
+        )
+    return cut
 
 
 # Peak budgets plan for a predicted peak this much below the target: the
@@ -259,14 +250,12 @@ PEAK_AUTO_MARGIN = 0.10
 PEAK_AUTO_ROUNDING = 256 * 2**20
 
 
-def resolve_peak_target(budget: MemoryBudget | None, graph: fx.Graph) -> int | None:
-    """Bytes a peak budget allows this graph's step; None for other budgets.
-    ``peak:auto`` reads the CUDA device's free memory now, less PEAK_AUTO_MARGIN."""
-    if budget is None or not budget.is_peak:
-        return None
-    if not budget.peak_auto:
-        return budget.peak_bytes
-    device = _graph_device(graph)
+def resolved_budget(budget: MemoryBudget | None, device: torch.device | None) -> MemoryBudget | None:
+    """``budget`` with nothing left to resolve: ``peak:auto`` becomes the
+    free memory of the CUDA ``device`` now, less PEAK_AUTO_MARGIN, rounded
+    down; every other budget is returned as it is."""
+    if budget is None or not budget.peak_auto or budget.peak_bytes is not None:
+        return budget
     if device is None or device.type != "cuda":
         raise ConfigError(
             "memory_budget='peak:auto' needs a CUDA device (it plans for the device's free "
@@ -275,10 +264,11 @@ def resolve_peak_target(budget: MemoryBudget | None, graph: fx.Graph) -> int | N
         )
     free, _ = torch.cuda.mem_get_info(device)
     target = int(free * (1 - PEAK_AUTO_MARGIN))
-    return max(target // PEAK_AUTO_ROUNDING * PEAK_AUTO_ROUNDING, 0)
+    return dataclasses.replace(budget, peak_bytes=max(target // PEAK_AUTO_ROUNDING * PEAK_AUTO_ROUNDING, 0))
 
 
-def _graph_device(graph: fx.Graph) -> torch.device | None:
+def graph_device(graph: fx.Graph) -> torch.device | None:
+    """The device of the graph's first tensor value (None: no tensors)."""
     for node in graph.nodes:
         value = node.meta.get("val")
         if isinstance(value, torch.Tensor):
@@ -286,7 +276,7 @@ def _graph_device(graph: fx.Graph) -> torch.device | None:
     return None
 
 
-def _floor_note(budget: MemoryBudget, floor: BudgetSolution, smaller: BudgetSolution | None) -> str:
+def _floor_note(budget: MemoryBudget, floor: _Cut, smaller: _Cut | None) -> str:
     """Why a fraction stopped at ``floor``: each plan the search saw that saves
     less has a higher predicted step peak (``smaller``: the lowest of them)."""
     text = (
@@ -441,27 +431,39 @@ class _Search:
 
     def __init__(self, flow: FlowGraph, profile: DeviceProfile, context: StepContext | None = None):
         self.flow = flow
+        self.profile = profile
         self.context = context
-        self.facts = facts = flow.facts
+        self.facts = flow.facts
         self.cuts = 0
-        self.spine = spine_values(facts)
-        self._families: list[BudgetSolution] = []
+        self._families: list[_Cut] = []
         self._family_plans = self._all_families()
-        self._peak_path: list[BudgetSolution] = []
+        self._peak_path: list[_Cut] = []
         """The lowest-peak family along the rates (lowest_peak's walk)."""
-        self.runtime = priced_runtimes(facts, profile)
+
+    # Read on the first search only: a graph whose budget the runtime-optimal
+    # plan fits never pays for them.
+    @functools.cached_property
+    def spine(self) -> list[fx.Node]:
+        return spine_values(self.facts)
+
+    @functools.cached_property
+    def runtime(self) -> dict[fx.Node, float]:
+        return priced_runtimes(self.facts, self.profile)
+
+    @functools.cached_property
+    def rates(self) -> list[float]:
         # The rates at which a heavy op's price equals its bytes, nudged up
         # so that ties go to saving: between two of them the cut does not
         # change for lone ops, so these are the rates worth trying.
-        self.rates = sorted(
+        return sorted(
             {
-                facts.nodes[node].nbytes / seconds * TIE_TO_SAVING
+                self.facts.nodes[node].nbytes / seconds * TIE_TO_SAVING
                 for node, seconds in self.runtime.items()
                 if seconds > 0
             }
         )
 
-    def families(self) -> list[BudgetSolution]:
+    def families(self) -> list[_Cut]:
         """Plans recomputing every heavy op they may, one per boundary set,
         from most boundaries to fewest, until STALE_TO_STOP in a row have not
         lowered the estimated peak."""
@@ -475,7 +477,7 @@ class _Search:
             self._families.append(family)
         return family is not None
 
-    def lowest_peak(self, optimal: BudgetSolution) -> BudgetSolution:
+    def lowest_peak(self, optimal: _Cut) -> _Cut:
         """The plan of lowest estimated peak: the runtime-optimal one, or the
         lowest-peak family at the rate where its peak is lowest (saving an op
         whose recompute needs a large working set can lower the peak).
@@ -491,13 +493,13 @@ class _Search:
             self._peak_path.extend(itertools.takewhile(lambda p: p.saved_bytes < optimal.saved_bytes, plans))
         return min([optimal, *self._peak_path], key=_by_peak)
 
-    def lowest_peak_saving_less(self, nbytes: int) -> BudgetSolution | None:
+    def lowest_peak_saving_less(self, nbytes: int) -> _Cut | None:
         """Of the plans lowest_peak saw (the families and the lowest-peak
         walk), the one of lowest predicted peak that saves less than ``nbytes``."""
         smaller = [p for p in (*self.families(), *self._peak_path) if p.saved_bytes < nbytes]
         return min(smaller, key=_by_peak, default=None)
 
-    def fastest_within(self, target: int) -> BudgetSolution:
+    def fastest_within(self, target: int) -> _Cut:
         """Of the families that fit, the one of lowest estimated peak (trying
         ones with fewer boundaries if none does), at the fastest rate."""
         fitting = [f for f in self.families() if f.saved_bytes <= target]
@@ -505,11 +507,11 @@ class _Search:
             if self._families[-1].saved_bytes <= target:
                 fitting.append(self._families[-1])
         if not fitting:
-            return dataclasses.replace(min(self._families, key=lambda s: s.saved_bytes), fits=False)
+            return min(self._families, key=lambda s: s.saved_bytes)  # fits nothing: the smallest
         family = min(fitting, key=_by_peak)
         return self._fastest_rate(family.boundaries, lambda s: s.saved_bytes <= target, family)
 
-    def fastest_under_peak(self, target: int, optimal: BudgetSolution) -> BudgetSolution | None:
+    def fastest_under_peak(self, target: int, optimal: _Cut) -> _Cut | None:
         """The least recompute time whose predicted step peak is at most
         ``target``, None if no plan the search sees fits. The peak is not
         monotone in the rate (recomputing a matmul can raise it), so the
@@ -521,10 +523,10 @@ class _Search:
         if not fitting:
             return None
 
-        def fits(solution: BudgetSolution) -> bool:
+        def fits(solution: _Cut) -> bool:
             return solution.estimated_peak_bytes <= target
 
-        starts: dict[frozenset, BudgetSolution] = {}
+        starts: dict[frozenset, _Cut] = {}
         for plan in sorted(fitting, key=lambda s: (s.recompute_time_s, s.estimated_peak_bytes)):
             starts.setdefault(plan.boundaries, plan)
         plans = [
@@ -558,7 +560,7 @@ class _Search:
                 yield self._cut(periodic_boundaries(self.spine, run, phase, blocks), rate=0.0)
         yield self._cut([], rate=0.0)
 
-    def _fastest_rate(self, boundaries, fits, cheapest: BudgetSolution, above: float = 0.0) -> BudgetSolution:
+    def _fastest_rate(self, boundaries, fits, cheapest: _Cut, above: float = 0.0) -> _Cut:
         """Binary search on the rates above ``above`` (where ``cheapest``
         fits): the highest (least recompute) whose plan ``fits``, then on how
         many of the ops the next rate would save can be saved."""
@@ -585,7 +587,7 @@ class _Search:
         ]
         return min(candidates, key=lambda s: (s.estimated_peak_bytes, s.recompute_time_s))
 
-    def _most_saved_that_fit(self, boundaries, rate, fits, keep_order) -> BudgetSolution:
+    def _most_saved_that_fit(self, boundaries, rate, fits, keep_order) -> _Cut:
         """The longest prefix of ``keep_order`` that can stay saved while the plan ``fits``."""
         best = None
         low, high = 1, len(keep_order)
@@ -598,7 +600,7 @@ class _Search:
                 high = middle - 1
         return best or self._cut(boundaries, rate, keep=())
 
-    def _cut(self, boundaries, rate: float, keep=()) -> BudgetSolution:
+    def _cut(self, boundaries, rate: float, keep=()) -> _Cut:
         """The min cut at ``rate``; ``keep`` are heavy ops not to recompute."""
         self.cuts += 1
         scale = byte_scale(self.facts)
@@ -610,17 +612,9 @@ class _Search:
         }
         saved = _min_cut(self.flow, price, boundaries)
         recomputed = frozenset(recomputed_nodes(self.facts, set(saved)) & self.runtime.keys())
-        peak = estimate_step_peak(self.facts, saved)
-        return BudgetSolution(
-            saved=tuple(saved),
-            target_bytes=0,
-            saved_bytes=activation_bytes(self.facts, saved),
-            optimal_bytes=0,
-            boundaries=frozenset(boundaries),
-            rate=rate,
+        return _cut_of(
+            self.facts, saved, self.context, boundaries=frozenset(boundaries), rate=rate,
             priced_recomputed=recomputed,
-            estimated_peak_bytes=predicted_peak(peak, self.context),
-            peak=peak,
             # fsum: exact, so sets of ops of equal runtimes tie exactly whatever
             # the set's order (a plain sum's rounding broke ties differently
             # from run to run: which of the identical layers to recompute).
@@ -628,12 +622,21 @@ class _Search:
         )
 
 
+def _cut_of(facts: GraphFacts, saved: list[fx.Node], context: StepContext | None, **how) -> _Cut:
+    """The cut saving ``saved``, its bytes and predicted peak; ``how`` it was made."""
+    peak = estimate_step_peak(facts, saved)
+    return _Cut(
+        saved=tuple(saved), saved_bytes=activation_bytes(facts, saved),
+        estimated_peak_bytes=predicted_peak(peak, context), peak=peak, **how,
+    )
+
+
 def _min_cut(flow: FlowGraph, price=None, boundaries=()) -> list[fx.Node]:
     """The saved set of the minimum cut, less values backward never reads."""
     return read_by_backward(flow.facts, solve(flow, price, boundaries))
 
 
-def _by_peak(solution: BudgetSolution) -> tuple[int, float, int]:
+def _by_peak(solution: _Cut) -> tuple[int, float, int]:
     # Between plans of equal predicted peak, the one that recomputes less:
     # recomputed heavy ops are where the peak model is least sure (a GPT
     # plan recomputing attention, predicted as low as one saving it,
@@ -641,7 +644,7 @@ def _by_peak(solution: BudgetSolution) -> tuple[int, float, int]:
     return solution.estimated_peak_bytes, solution.recompute_time_s, solution.saved_bytes
 
 
-def _extend_until_stale(plans: list[BudgetSolution], more) -> None:
+def _extend_until_stale(plans: list[_Cut], more) -> None:
     """Append plans from the iterator ``more`` until STALE_TO_STOP in a row
     have not lowered the estimated peak (``more`` stays resumable)."""
     stale = 0

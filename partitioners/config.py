@@ -121,7 +121,7 @@ class MemoryBudget:
         if self.fraction is not None:
             return f"{self.fraction:g} of runtime-optimal" + (" (PyTorch's meaning)" if self.pytorch_meaning else "")
         if self.peak_auto:
-            return "peak:auto"
+            return "peak:auto" + ("" if self.peak_bytes is None else f" ({self.peak_bytes} bytes)")
         if self.peak_bytes is not None:
             return f"peak {self.peak_bytes} bytes"
         return f"{self.nbytes} bytes"

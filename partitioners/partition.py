@@ -20,7 +20,7 @@ from passes import run_passes
 from . import _torch_compat as compat
 from .classify import GraphFacts, classify
 from .config import Config, ConfigError, warn_once
-from .budget import resolve_peak_target, solve_with_budget
+from .budget import graph_device, resolved_budget, solve_with_budget
 from .cost import profile_for
 from .plan import Plan, build_plan
 from .rank_sync import check_same_plan_on_all_ranks
@@ -84,16 +84,17 @@ def _decide(joint_gm, num_fwd_outputs, static_lifetime_input_indices, config: Co
         static_lifetime_input_indices=static_lifetime_input_indices,
     )
     profile = profile_for(joint_gm.graph, config.device_profile)
-    peak_target = resolve_peak_target(config.memory_budget, joint_gm.graph)
-    return facts, solve_with_budget(facts, config.memory_budget, profile, peak_target, step)
+    # The backend resolved peak:auto from the example inputs already; a
+    # partitioner used on its own resolves it here, from the graph.
+    budget = resolved_budget(config.memory_budget, graph_device(joint_gm.graph))
+    return facts, solve_with_budget(facts, budget, profile, step)
 
 
 def _plan(facts, saved, solution, config: Config, step: StepContext | None) -> Plan:
-    plan = build_plan(facts, saved, solution)
     if config.memory_budget is None:
-        return plan
-    return dataclasses.replace(
-        plan, budget=str(config.memory_budget), step=None if step is None else step.describe()
+        return build_plan(facts, saved, solution)
+    return build_plan(
+        facts, saved, solution, budget=str(config.memory_budget), step=None if step is None else step.describe()
     )
 
 

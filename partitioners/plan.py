@@ -84,8 +84,11 @@ class Plan:
         raise KeyError(f"{name} is neither saved nor recomputed in this plan")
 
 
-def build_plan(facts: GraphFacts, saved: list[fx.Node], solution: BudgetSolution | None = None) -> Plan:
-    """Decisions for every saved value and every forward node backward re-runs."""
+def build_plan(facts: GraphFacts, saved: list[fx.Node], solution: BudgetSolution | None = None,
+               budget: str | None = None, step: str | None = None) -> Plan:
+    """Decisions for every saved value and every forward node backward re-runs,
+    with what the budget search found (``solution``) for ``budget`` (as
+    written; None: runtime-optimal) in ``step`` (the step view's account)."""
     saved_set = set(saved)
     recomputed = recomputed_nodes(facts, saved_set)
     boundaries = solution.boundaries if solution else frozenset()
@@ -112,11 +115,7 @@ def build_plan(facts: GraphFacts, saved: list[fx.Node], solution: BudgetSolution
                 is_input=node_facts.storage_root in facts.free_inputs,
             )
         )
-    plan = Plan(decisions=tuple(decisions), saved_activation_bytes=activation_bytes(facts, saved))
-    if solution is None:
-        return plan
-    return dataclasses.replace(
-        plan,
+    outcome = {} if solution is None else dict(
         budget_bytes=solution.target_bytes,
         optimal_bytes=solution.optimal_bytes,
         fits_budget=solution.fits,
@@ -126,6 +125,10 @@ def build_plan(facts: GraphFacts, saved: list[fx.Node], solution: BudgetSolution
         recompute_time_s=solution.recompute_time_s,
         solve_time_s=solution.solve_time_s,
         rungs=solution.rungs,
+    )
+    return Plan(
+        decisions=tuple(decisions), saved_activation_bytes=activation_bytes(facts, saved),
+        budget=budget, step=step, **outcome,
     )
 
 

@@ -384,11 +384,14 @@ def test_peak_auto_plans_for_the_free_memory_less_the_margin_rounded_down(monkey
     margin); 1000 MiB free -> 900 MiB, rounded down to 768 MiB (256 MiB steps)."""
     import partitioners.budget as budget
 
-    monkeypatch.setattr(budget, "_graph_device", lambda graph: torch.device("cuda", 0))
+    cuda = torch.device("cuda", 0)
     for free, target in ((10 * 2**30, 9 * 2**30), (1000 * 2**20, 768 * 2**20), (100 * 2**20, 0)):
         monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device, free=free: (free, 80 * 2**30))
-        assert budget.resolve_peak_target(MemoryBudget(peak_auto=True), torch.fx.Graph()) == target
-    assert budget.resolve_peak_target(MemoryBudget.parse("peak:6GiB"), torch.fx.Graph()) == 6 * 2**30
+        resolved = budget.resolved_budget(MemoryBudget(peak_auto=True), cuda)
+        assert resolved.peak_bytes == target and resolved.is_peak
+        assert str(resolved) == f"peak:auto ({target} bytes)"
+    six = MemoryBudget.parse("peak:6GiB")
+    assert budget.resolved_budget(six, cuda) is six and six.peak_bytes == 6 * 2**30
 
 
 def test_peak_auto_on_cpu_fails_the_compile_with_the_setting_named():
