@@ -190,7 +190,8 @@ def _pool_graph():
     for node in nodes:
         node.meta["val"] = torch.empty(4)
     sizes = dict(zip(nodes, (10, 5, 5, 10)))
-    facts = SimpleNamespace(nodes={n: SimpleNamespace(nbytes=sizes[n], category=OpCategory.POINTWISE) for n in nodes})
+    facts = SimpleNamespace(nodes={n: SimpleNamespace(nbytes=sizes[n], category=OpCategory.POINTWISE) for n in nodes},
+                            derived={})
     return facts, nodes
 
 
@@ -258,6 +259,7 @@ def _run_graph():
         nodes={n: SimpleNamespace(nbytes=sizes[n], category=categories.get(n, OpCategory.POINTWISE))
                for n in sizes},
         free_inputs=set(),
+        derived={},
     )
     return facts, (x, a, b, c, m)
 
