@@ -12,6 +12,7 @@ import dataclasses
 import torch
 import torch._functorch.config
 import torch._guards
+import torch._inductor.config
 import torch.fx as fx
 from torch._functorch import partitioners as _torch_partitioners
 from torch._functorch._aot_autograd import utils as _aot_utils
@@ -54,6 +55,7 @@ __all__ = [
     "hint_int",
     "inductor_config_patches",
     "inductor_option_names",
+    "inductor_setting",
     "is_bwd_seed_offset",
     "is_fwd_seed_offset",
     "is_opaque_node",
@@ -375,6 +377,13 @@ def inductor_option_names() -> list[str]:
     import torch._inductor
 
     return torch._inductor.list_options()
+
+
+def inductor_setting(name: str):
+    """The value of ``torch._inductor.config.<name>`` in force now, patches
+    included: ``compile_fx`` applies torch.compile's ``options`` as a config
+    patch around the partitioner."""
+    return getattr(torch._inductor.config, name)
 
 
 # Inductor fuses two kernels that only share inputs (horizontal fusion) when

@@ -12,7 +12,7 @@ Two knobs shape a plan, each searched with the minimum cut of mincut.py:
   values repeat (a stack of identical blocks), boundaries sit at the same
   place in every block, or every second, third... block; elsewhere they
   split the forward into equal bytes. The family the budget moves along is
-  the one with the lowest predicted step peak (peak.py).
+  the one with the lowest predicted step peak (peak/).
 - A price on recomputing heavy ops (matmuls, attention, shrinking
   reductions): ``rate x estimated runtime`` in bytes. The cut then minimizes
   ``saved bytes + rate x recompute time``; a lower rate recomputes more and

@@ -54,6 +54,10 @@ class GraphFacts:
     the copy that backward keeps, so saving them costs bytes."""
     forward_outputs: tuple[fx.Node, ...] = ()
     """What forward returns to the caller (the loss, logits...)."""
+    derived: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
+    """What later modules build from these facts once per graph and keep
+    for its lifetime (partitioners/peak's ``LoweredGraph``, per Inductor
+    setting), keyed by their builder; not part of the facts themselves."""
 
     @property
     def free_inputs(self) -> frozenset[fx.Node]:

@@ -60,7 +60,7 @@ class Plan:
     forward holds for backward (to compose the graphs of one step)."""
     estimated_peak_bytes: int = 0
     """Predicted peak bytes of one training step above what is live before it
-    (partitioners/peak.py): the larger of the forward and backward peaks."""
+    (partitioners/peak/): the larger of the forward and backward peaks."""
     recompute_time_s: float = 0.0
     """Estimated time of heavy ops recomputed to fit the budget."""
     solve_time_s: float = 0.0

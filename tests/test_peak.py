@@ -1,5 +1,6 @@
-"""The peak model on tiny graphs (no Inductor): which values get a buffer,
-and the predicted forward and backward peaks, byte for byte."""
+"""The peak model on tiny graphs (no Inductor codegen but in the one test
+named for it): which values get a buffer, and the predicted forward and
+backward peaks, byte for byte."""
 from types import SimpleNamespace
 
 import pytest
@@ -7,10 +8,12 @@ import torch
 from conftest import aot_partition
 
 from bench.measure import peak_cpu_bytes
+from ckpt.backend import make_backend
+from partitioners.config import Config
 from partitioners.ops import OpCategory
 from partitioners.peak import (
     backward_schedule, buffer_reads, copied_views, estimate_step_peak, fused_across_externs, inductor_estimate,
-    materialized, mm_at_its_add,
+    lower, materialized, mm_at_its_add,
     reuse_pool, walk, workspace_bytes,
 )
 
@@ -60,7 +63,54 @@ def test_reused_value_read_only_in_its_own_kernel_gets_no_buffer():
     assert "exp" not in {n.name for n in materialized(facts, order, kept=set())}
 
 
-def test_step_peak_of_a_two_layer_mlp_by_hand():
+
+def _many_reads(a, b, c, w):
+    s = a * b + c * w  # reads four buffers; two reductions read it, backward does not
+    return s.sum(-1).square().sum() + s.mean()
+
+
+def _many_reads_args():
+    return [torch.randn(64, 64) for _ in range(3)] + [leaf(64)]
+
+
+@pytest.mark.parametrize("threshold, written", [(4, False), (3, True), (1, True)])
+def test_a_reused_value_is_written_past_the_realize_reads_threshold_in_force(threshold, written):
+    # Inductor stores a reused value that reads more buffers than
+    # realize_reads_threshold (4 by default): the model reads the setting
+    # in force, as the compile it predicts does.
+    with torch._inductor.config.patch(realize_reads_threshold=threshold):
+        result, _ = aot_partition(_many_reads, *_many_reads_args())
+        facts = result.facts
+        order = [n for n in facts.nodes if n in facts.forward]
+        assert lower(facts).realize_reads == threshold
+        assert ("add" in {n.name for n in materialized(facts, order, kept=set())}) is written
+        assert "add" not in result.plan.saved
+        # Written, the 64x64 float32 value is forward's peak; else only the
+        # reductions' and w's gradient's bytes are (at most 516).
+        assert (result.plan.estimated_peak_bytes > N) is written
+    # The graph's state is kept per setting: back under the default, the
+    # model is the default's again.
+    assert lower(facts).realize_reads == 4
+    assert "add" not in {n.name for n in materialized(facts, order, kept=set())}
+
+
+def test_torch_compile_options_reach_the_peak_model_through_inductor():
+    # options= are Inductor config patches around the compile, and the
+    # partitioner plans inside them: its predicted peak is the one the
+    # model gives under the same setting.
+    predicted = {}
+    for threshold in (4, 3):
+        backend = make_backend(Config())
+        torch._dynamo.reset()
+        torch.compile(_many_reads, backend=backend, options={"realize_reads_threshold": threshold})(
+            *_many_reads_args())
+        (plan,) = backend.plans
+        with torch._inductor.config.patch(realize_reads_threshold=threshold):
+            result, _ = aot_partition(_many_reads, *_many_reads_args())
+        assert plan.estimated_peak_bytes == result.plan.estimated_peak_bytes
+        predicted[threshold] = plan.estimated_peak_bytes
+    torch._dynamo.reset()
+    assert predicted[3] > N > predicted[4]
     def f(x, w1, w2):
         return (torch.relu(x @ w1) @ w2).sum()
 
@@ -190,7 +240,8 @@ def _pool_graph():
     for node in nodes:
         node.meta["val"] = torch.empty(4)
     sizes = dict(zip(nodes, (10, 5, 5, 10)))
-    facts = SimpleNamespace(nodes={n: SimpleNamespace(nbytes=sizes[n], category=OpCategory.POINTWISE) for n in nodes})
+    facts = SimpleNamespace(nodes={n: SimpleNamespace(nbytes=sizes[n], category=OpCategory.POINTWISE) for n in nodes},
+                            derived={})
     return facts, nodes
 
 
@@ -258,6 +309,7 @@ def _run_graph():
         nodes={n: SimpleNamespace(nbytes=sizes[n], category=categories.get(n, OpCategory.POINTWISE))
                for n in sizes},
         free_inputs=set(),
+        derived={},
     )
     return facts, (x, a, b, c, m)
 

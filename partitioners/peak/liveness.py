@@ -1,0 +1,167 @@
+"""The liveness walk: the predicted forward and backward peaks of one step
+for a saved set (``estimate_step_peak``), each the peak of ``walk`` over the
+phase's kernels in the order they run.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch.fx as fx
+
+from ..classify import GraphFacts
+from .buffers import buffer_reads, materialized
+from .layouts import copy_steps, relaid_contiguous
+from .lowering import LoweredGraph, lower, owner
+from .memory_plan import _in_place_donor, _tuple_outputs, inductor_estimate, reuse_pool
+from .schedule import _run_ends, backward_schedule, fused_across_externs, kernel_order, mm_at_its_add
+
+
+@dataclasses.dataclass(frozen=True)
+class PeakEstimate:
+    """Predicted bytes above what is live before the step."""
+
+    forward_bytes: int
+    """Peak while forward runs."""
+    backward_bytes: int
+    """Peak while backward runs (saved values and gradients included)."""
+    held_bytes: int = 0
+    """What forward leaves alive for backward: the saved values."""
+    output_bytes: int = 0
+    """What forward returns, beyond saved values."""
+    gradient_bytes: int = 0
+    """What backward returns: gradients of parameters and inputs."""
+    tangent_bytes: int = 0
+    """What backward is handed: gradients of forward's outputs, returned by
+    the graphs that ran after this one (counted in ``backward_bytes``)."""
+    held_input_bytes: int = 0
+    """Batch inputs (not parameters) saved for backward: free within this
+    graph, whose caller holds them, but kept for the step when an earlier
+    graph produced them (a block's input under per-block compile)."""
+
+    @property
+    def step_bytes(self) -> int:
+        return max(self.forward_bytes, self.backward_bytes)
+
+
+def estimate_step_peak(facts: GraphFacts, saved, backward_trace: list | None = None) -> PeakEstimate:
+    """The predicted forward and backward peaks of one step that saves
+    ``saved``; ``backward_trace`` collects the backward walk's steps (``walk``)."""
+    lowered = lower(facts)
+    saved = set(saved)
+    held = facts.saved_storages(saved)
+    outputs = _outputs(facts, lowered)
+    forward = [n for n in facts.nodes if n in facts.forward]
+    forward_peak = walk(facts, forward, kept=held | outputs, lowered=lowered)
+    order = backward_schedule(facts, saved)
+    tangents = {n for n in order if n.op == "placeholder" and n not in facts.inputs}
+    gradients = {owner(n, facts, lowered) for n in facts.backward_outputs}
+    backward_peak = walk(facts, order, kept=gradients, start=held | tangents, trace=backward_trace, lowered=lowered)
+    return PeakEstimate(
+        forward_peak, backward_peak,
+        held_bytes=sum(facts.nodes[n].nbytes for n in held),
+        output_bytes=sum(facts.nodes[n].nbytes for n in outputs - held),
+        gradient_bytes=sum(facts.nodes[n].nbytes for n in gradients - facts.free_inputs),
+        tangent_bytes=sum(facts.nodes[n].nbytes for n in tangents),
+        held_input_bytes=sum(facts.nodes[n].nbytes for n in _saved_batch_inputs(facts, saved)),
+    )
+
+
+def _saved_batch_inputs(facts: GraphFacts, saved: set[fx.Node]) -> set[fx.Node]:
+    roots = {facts.nodes[node].storage_root for node in saved}
+    return roots & (facts.free_inputs - facts.static_inputs)
+
+
+def _outputs(facts: GraphFacts, lowered: LoweredGraph) -> set[fx.Node]:
+    """What forward returns (not inputs). Alive at the end of forward; not
+    counted in backward, where a loss is a scalar and logits handed to a
+    later graph are that graph's to hold."""
+    return {owner(n, facts, lowered) for n in facts.forward_outputs} - facts.inputs
+
+
+def walk(facts: GraphFacts, order: list[fx.Node], kept: set[fx.Node],
+         start: set[fx.Node] = frozenset(), trace: list | None = None, *,
+         lowered: LoweredGraph | None = None) -> int:
+    """Peak bytes of running ``order`` with ``start`` buffers alive at the
+    beginning and ``kept`` ones never freed. ``trace`` collects
+    ``(node, live bytes, alive buffers, Inductor's estimate)`` per step,
+    for calibration."""
+    lowered = lowered or lower(facts)
+    order = kernel_order(facts, mm_at_its_add(order), lowered=lowered)
+    buffers, reads, copies, kernel_local = _lowered_walk(facts, order, kept, lowered)
+    fused = fused_across_externs(facts, order, buffers, reads, lowered=lowered)
+    if fused is not order:  # kernels fused across extern kernels: lower again
+        order = fused
+        buffers, reads, copies, kernel_local = _lowered_walk(facts, order, kept, lowered)
+    copied = {copy for written in copies.values() for copy in written}
+    relaid = relaid_contiguous(facts, order, kept, lowered=lowered)
+    last_read: dict[fx.Node, int] = {}
+    for step, node in enumerate(order):
+        for buffer in reads.get(node, ()) if node not in copied else ():
+            last_read[buffer] = step
+        for copy in copies.get(step, ()):  # a copy reads its base where it is written
+            for buffer in reads[copy]:
+                last_read[buffer] = max(last_read.get(buffer, step), step)
+    frees: dict[int, list[fx.Node]] = {}
+    for buffer, step in last_read.items():
+        if buffer not in kept:
+            frees.setdefault(step, []).append(buffer)
+    alive = set(start) - facts.free_inputs
+    live = start_bytes = sum(facts.nodes[b].nbytes for b in alive)
+    curve, donations, workspace, written, freed, alive_at = [], [], [], [], [], []
+    workspaces = lowered.workspaces
+    for step, node in enumerate(order):
+        new: list[fx.Node] = []
+        donated = 0
+        for copy in reads.get(node, set()) & facts.relaid_inputs - alive:
+            alive.add(copy)  # Inductor's channels-last copy of an input
+            live += facts.nodes[copy].nbytes
+        if node in buffers and node not in alive and node not in copied:
+            donor = _in_place_donor(node, reads.get(node, ()), step, last_read, alive, kept, relaid, facts, lowered)
+            if donor is not None:  # the kernel writes into a buffer it reads for the last time
+                alive.discard(donor)
+                live -= facts.nodes[donor].nbytes
+                donated += facts.nodes[donor].nbytes
+            else:
+                new.append(node)
+            alive.add(node)
+            live += facts.nodes[node].nbytes
+        for output in _tuple_outputs(node, buffers) - alive:  # a kernel with several outputs
+            alive.add(output)  # writes them all at once
+            live += facts.nodes[output].nbytes
+        for copy in copies.get(step, ()):  # a copied view, written by the step's kernel
+            if copy not in alive:
+                new.append(copy)
+                alive.add(copy)
+                live += facts.nodes[copy].nbytes
+        curve.append(live)
+        donations.append(donated)
+        workspace.append(workspaces.get(node, 0))
+        written.append(new)
+        if trace is not None:
+            alive_at.append(frozenset(alive))
+        gone = [b for b in frees.get(step, ()) if b in alive]
+        for buffer in gone:
+            alive.discard(buffer)
+            live -= facts.nodes[buffer].nbytes
+        freed.append(gone)
+    run_end = _run_ends(order, lowered)
+    estimate = inductor_estimate(facts, order, curve, donations, freed, kernel_local, start, run_end, lowered=lowered)
+    held = reuse_pool(facts, estimate, written, freed, run_end, lowered=lowered)
+    for buffer, first, last in held:
+        for step in range(first, last):
+            curve[step] += facts.nodes[buffer].nbytes
+            if trace is not None:
+                alive_at[step] |= {buffer}
+    running = [c + w for c, w in zip(curve, workspace)]
+    if trace is not None:
+        trace.extend(zip(order, running, alive_at, estimate))
+    return max([start_bytes, *running])
+
+
+def _lowered_walk(facts: GraphFacts, order: list[fx.Node], kept: set[fx.Node], lowered: LoweredGraph) -> tuple:
+    """What ``walk`` needs of ``order``: its buffers, what each kernel reads,
+    where copied views are written, and the kernel-local values."""
+    kernel_local: dict[fx.Node, tuple[int, int]] = {}
+    buffers = materialized(facts, order, kept, kernel_local, lowered=lowered)
+    reads = buffer_reads(facts, order, buffers, lowered=lowered)
+    return buffers, reads, copy_steps(facts, order, buffers, lowered=lowered), kernel_local
