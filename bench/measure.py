@@ -13,7 +13,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from ckpt import step_view
-from partitioners import _torch_compat as compat
+import ckpt_compat as compat
 
 
 def _storage_key(tensor: torch.Tensor) -> tuple:

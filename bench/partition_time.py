@@ -16,7 +16,7 @@ from functorch.compile import nop
 from torch._dynamo.backends.common import aot_autograd
 
 from bench.models import GPT, GPTConfig, gpt_batch
-from partitioners._torch_compat import torch_default_partition
+from ckpt_compat import torch_default_partition
 from partitioners.config import Config
 from partitioners.partition import partition
 

@@ -8,8 +8,9 @@ from collections.abc import Mapping
 
 import torch
 
-from partitioners import _torch_compat as compat
+import ckpt_compat as compat
 from partitioners.budget import resolved_budget
+from partitioners.fusion_policy import compile_fx_near_fusion_in_backward
 from partitioners.config import Config, ConfigError, as_config, warn_once
 from partitioners.partition import CkptPartitioner, Outcome
 from partitioners.pytorch_settings import with_pytorch_budgets
@@ -77,7 +78,7 @@ class CkptBackend:
             raise CompileTimeConfigError(str(error), inspect.currentframe()) from None
         if config.memory_budget is None or not config.step_planning:
             partitioner = self.make_partitioner(config)
-            return compat.compile_fx_near_fusion_in_backward(
+            return compile_fx_near_fusion_in_backward(
                 gm, example_inputs, config_patches={**patches, PARTITIONER_OPTION: partitioner},
                 uncached=partitioner.uuid() is None,
             )
@@ -101,7 +102,7 @@ class CkptBackend:
         partitioner = self.make_partitioner(
             config.replace(memory_budget=budget), step=step, sizes=sizes, step_planning=True
         )
-        compiled = compat.compile_fx_near_fusion_in_backward(
+        compiled = compile_fx_near_fusion_in_backward(
             gm, example_inputs, config_patches={**patches, PARTITIONER_OPTION: partitioner}, uncached=True
         )
         if len(self.plans) == before:

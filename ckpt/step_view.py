@@ -40,7 +40,7 @@ import torch
 import torch.fx as fx
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from partitioners import _torch_compat as compat
+import ckpt_compat as compat
 from partitioners.budget import rung_budget
 from partitioners.config import MemoryBudget
 from partitioners.plan import Plan

@@ -16,7 +16,7 @@ import re
 
 import torch.fx as fx
 
-from . import _torch_compat as compat
+import ckpt_compat as compat
 
 # Dynamo writes module paths as "L['self'].blocks.0.fc".
 _DYNAMO_ROOT = re.compile(r"^L\['self'\]\.?")

@@ -11,7 +11,7 @@ import dataclasses
 import torch
 import torch.fx as fx
 
-from . import _torch_compat as compat
+import ckpt_compat as compat
 from .cost import is_savable_value, node_bytes
 from .ops import OpCategory, Recompute, categorize
 

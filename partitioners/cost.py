@@ -11,7 +11,7 @@ import dataclasses
 import torch
 import torch.fx as fx
 
-from . import _torch_compat as compat
+import ckpt_compat as compat
 
 # A saved SymInt travels to backward as one int64.
 SYMINT_BYTES = 8

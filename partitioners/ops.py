@@ -25,7 +25,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from . import _torch_compat as compat
+import ckpt_compat as compat
 
 aten = torch.ops.aten
 prims = torch.ops.prims

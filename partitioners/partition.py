@@ -17,7 +17,7 @@ from passes import joint as joint_passes
 from passes import partitioned as partitioned_passes
 from passes import run_passes
 
-from . import _torch_compat as compat
+import ckpt_compat as compat
 from .classify import GraphFacts, classify
 from .config import Config, ConfigError, warn_once
 from .budget import graph_device, resolved_budget, solve_with_budget
@@ -28,7 +28,7 @@ from .step import StepContext
 
 _PROJECT_ROOT = pathlib.Path(__file__).resolve().parent.parent
 # Source that decides what a compile produces; part of the cache key.
-_DECIDING_PACKAGES = ("partitioners", "passes")
+_DECIDING_PACKAGES = ("ckpt_compat", "partitioners", "passes")
 
 @dataclasses.dataclass(frozen=True)
 class Partition:

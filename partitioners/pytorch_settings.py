@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from . import _torch_compat as compat
+import ckpt_compat as compat
 from .config import Config, MemoryBudget, warn_once
 
 PYTORCH_DEFAULT_BUDGET = 1.0

@@ -19,7 +19,7 @@ import warnings
 
 import torch.fx as fx
 
-from . import _torch_compat as compat
+import ckpt_compat as compat
 from .canonical import canonical_names, structure_digest
 from .ops import COLLECTIVE_NAMESPACES
 from .plan import Plan

@@ -7,7 +7,7 @@ function whose docstring says what it changes:
   (recomputed nodes moved to their first use, getitems, RNG state).
 
 Passes decide nothing. They reach torch's private APIs through
-partitioners/_torch_compat.py and import nothing else of the project;
+ckpt_compat (the bottom layer) and import nothing else of the project;
 partitioners/partition.py runs them.
 """
 from __future__ import annotations

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from partitioners import _torch_compat as compat
+import ckpt_compat as compat
 
 
 def eliminate_dead_code(gm: fx.GraphModule) -> fx.GraphModule:

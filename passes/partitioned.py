@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from partitioners import _torch_compat as compat
+import ckpt_compat as compat
 
 
 def reorder_recomputed_to_first_use(bwd: fx.GraphModule) -> fx.GraphModule:

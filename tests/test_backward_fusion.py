@@ -6,7 +6,7 @@ import torch
 from torch._inductor.choices import InductorChoices
 
 from ckpt import make_backend
-from partitioners import _torch_compat as compat
+from partitioners import fusion_policy
 from bench.harness import fresh_inductor_cache
 
 
@@ -20,10 +20,10 @@ def kernel(order, writes=(), reads=()):
 
 def test_far_kernels_fuse_only_when_the_later_one_is_a_reduction(monkeypatch):
     monkeypatch.setattr(InductorChoices, "can_fuse_horizontal", staticmethod(lambda *args: True))
-    choices, far = compat._NearHorizontalFusion(), compat.NEAR_FUSION_DISTANCE + 1
+    choices, far = fusion_policy.NearHorizontalFusion(), fusion_policy.NEAR_FUSION_DISTANCE + 1
     early = kernel(0, writes=[4096], reads=[4096])
     # near: fused as Inductor would
-    assert choices.can_fuse_horizontal(None, early, kernel(compat.NEAR_FUSION_DISTANCE, [4096], [4096]), 1)
+    assert choices.can_fuse_horizontal(None, early, kernel(fusion_policy.NEAR_FUSION_DISTANCE, [4096], [4096]), 1)
     # far, and the later kernel writes a tensor as large as it reads: moving
     # it up would hold that tensor alive early
     assert not choices.can_fuse_horizontal(None, early, kernel(far, [4096], [4096]), 1)
@@ -35,13 +35,13 @@ def test_far_kernels_fuse_only_when_the_later_one_is_a_reduction(monkeypatch):
 
 def test_ckpt_compiles_backward_graphs_with_the_rule_and_forward_graphs_without(monkeypatch):
     asked = []
-    rule = compat._NearHorizontalFusion.can_fuse_horizontal
+    rule = fusion_policy.NearHorizontalFusion.can_fuse_horizontal
 
     def spy(self, scheduler, node1, node2, score):
         asked.append((node1, node2))
         return rule(self, scheduler, node1, node2, score)
 
-    monkeypatch.setattr(compat._NearHorizontalFusion, "can_fuse_horizontal", spy)
+    monkeypatch.setattr(fusion_policy.NearHorizontalFusion, "can_fuse_horizontal", spy)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.LayerNorm(16), torch.nn.GELU(),
                                 torch.nn.Linear(16, 16), torch.nn.LayerNorm(16))

@@ -10,7 +10,7 @@ import partitioners.partition as partition_module
 from bench.models import MLP
 from ckpt import Config, ConfigError, ckpt_backend, make_backend
 from ckpt.backend import inductor_patches
-from partitioners import _torch_compat as compat
+import ckpt_compat as compat
 from partitioners.mincut import PartitionError
 from partitioners.partition import CkptPartitioner
 

@@ -15,7 +15,7 @@ from bench.models import GPT, MLP, ConvNet, GPTConfig, gpt_batch
 from ckpt import Config, make_backend
 from ckpt.__main__ import main as ckpt_cli
 from ckpt.pytest_plugin import compare_with_golden, render_reports, training_loss
-from partitioners import _torch_compat as compat
+import ckpt_compat as compat
 from partitioners.partition import CkptPartitioner
 from ckpt.reports import graph_svg
 from ckpt.reports.report import render_markdown, write_report

@@ -13,7 +13,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from .. import _torch_compat as compat
+import ckpt_compat as compat
 from ..classify import GraphFacts
 from ..ops import OpCategory
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from .. import _torch_compat as compat
+import ckpt_compat as compat
 from ..classify import GraphFacts
 from ..ops import OpCategory
 from .kinds import ALIAS, FUSED, _contiguous_strides, _hinted

@@ -22,7 +22,7 @@ import dataclasses
 
 import torch.fx as fx
 
-from .. import _torch_compat as compat
+import ckpt_compat as compat
 from ..classify import GraphFacts
 from .kinds import _eager_strided, _owner, _runs_extern, value_kind
 from .workspace import workspace_bytes

@@ -17,7 +17,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from .. import _torch_compat as compat
+import ckpt_compat as compat
 from ..classify import GraphFacts
 from .kinds import ALIAS, ALWAYS_WRITTEN, FUSED, NONE, REDUCTIONS, _every_overload, _numel, _shape, aten
 from .lowering import LoweredGraph, lower

@@ -8,7 +8,7 @@ import math
 import torch
 import torch.fx as fx
 
-from .. import _torch_compat as compat
+import ckpt_compat as compat
 from ..classify import GraphFacts
 from .kinds import _contiguous_strides, _every_overload, _hinted, aten
 
