@@ -162,11 +162,9 @@ def solve_with_budget(
     optimal = _cut_of(facts, _min_cut(flow), context)
     search = _Search(flow, profile, context)
     if budget is not None and budget.is_peak:
-        cut, target, rungs = _solve_for_peak(search, budget, optimal, context), budget.peak_bytes, (
-            _rung(RUNTIME_OPTIMAL, optimal),
-        )
+        cut, target, note = _solve_for_peak(search, budget, optimal, context), budget.peak_bytes, None
         fits = cut.estimated_peak_bytes <= _planned_peak(budget, context)
-        note = None
+        rungs = (_rung(RUNTIME_OPTIMAL, optimal),)
     else:
         asked = _target_bytes(budget, optimal.saved_bytes, context)
         cut, target, note = _within_fraction_or_bytes(search, budget, asked, optimal)
@@ -204,11 +202,15 @@ def _rung(label: str, cut: _Cut) -> Rung:
     return Rung(label, cut.peak, tuple(sorted(n.name for n in cut.saved)))
 
 
+def _margin(context: StepContext | None) -> float:
+    """The share of a peak budget left unplanned: the model's error, smaller
+    once the step was measured."""
+    return MEASURED_MARGIN if context is not None and context.measured else PEAK_MODEL_MARGIN
+
+
 def _planned_peak(budget: MemoryBudget, context: StepContext | None) -> int:
-    """The predicted step peak a peak budget plans for: its bytes less the
-    model's margin (smaller once the step was measured)."""
-    margin = MEASURED_MARGIN if context is not None and context.measured else PEAK_MODEL_MARGIN
-    return int(budget.peak_bytes * (1 - margin))
+    """The predicted step peak a peak budget plans for."""
+    return int(budget.peak_bytes * (1 - _margin(context)))
 
 
 def _solve_for_peak(search: "_Search", budget: MemoryBudget, optimal: _Cut, context: StepContext | None) -> _Cut:
@@ -222,7 +224,7 @@ def _solve_for_peak(search: "_Search", budget: MemoryBudget, optimal: _Cut, cont
         cut = search.lowest_peak(optimal)
         warnings.warn(
             f"ckpt: no plan of this graph fits the peak budget {budget} ({budget.peak_bytes} bytes, "
-            f"planned with a {1 - planned / budget.peak_bytes:.0%} margin); the lowest predicted step peak "
+            f"planned with a {_margin(context):.0%} margin); the lowest predicted step peak "
             f"is {cut.estimated_peak_bytes} bytes, using that plan",
             stacklevel=3,
         )
