@@ -2,15 +2,16 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
+# torch pinned: this exact CPU build is on the machine's disk, a looser
+# request would pull a multi-GB CUDA build.
+TORCH_PIN := torch==2.13.0
 
 .PHONY: install test check-package test-torch2.14 demo bench train clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	# torch first and pinned: this exact CPU build is on the machine's disk,
-	# a looser request would pull a multi-GB CUDA build.
-	$(PY) -m pip install --quiet "torch==2.13.0"
+	$(PY) -m pip install --quiet "$(TORCH_PIN)"  # first, pinned
 	$(PY) -m pip install --quiet -e ".[test,bench]"
 	touch $@
 
@@ -25,7 +26,7 @@ PACKAGE_VENV ?= /tmp/ckpt-package-venv
 check-package:
 	rm -rf $(PACKAGE_VENV)
 	$(PYTHON) -m venv $(PACKAGE_VENV)
-	$(PACKAGE_VENV)/bin/python -m pip install --quiet "torch==2.13.0"
+	$(PACKAGE_VENV)/bin/python -m pip install --quiet "$(TORCH_PIN)"
 	$(PACKAGE_VENV)/bin/python -m pip install --quiet .
 	cd $(PACKAGE_VENV) && bin/python $(CURDIR)/tests/package_check.py
 

@@ -10,8 +10,8 @@ Each rank trains eager per-layer checkpointing and ckpt at 0.0 side by
 side (a fresh model each, same seed, each rank its own batches), and
 measures its own step peak once the step view has settled (the second step
 every rank starts settled: the first may recompile for the settled plans;
-eager at its third step, the optimizer's state allocated), at most --steps
-steps in: peak bytes allocated during forward and backward above what is
+eager counts as settled from its third step, so it is measured at its
+fourth, the optimizer's state allocated), at most --steps steps in: peak bytes allocated during forward and backward above what is
 alive before it (profiler memory events). Also written: a digest of each rank's plans
 (ranks must decide alike), graphs per step and recompiles. Writes results.md and
 results.json into --out.

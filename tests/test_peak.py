@@ -63,7 +63,6 @@ def test_reused_value_read_only_in_its_own_kernel_gets_no_buffer():
     assert "exp" not in {n.name for n in materialized(facts, order, kept=set())}
 
 
-
 def _many_reads(a, b, c, w):
     s = a * b + c * w  # reads four buffers; two reductions read it, backward does not
     return s.sum(-1).square().sum() + s.mean()
@@ -111,6 +110,9 @@ def test_torch_compile_options_reach_the_peak_model_through_inductor():
         predicted[threshold] = plan.estimated_peak_bytes
     torch._dynamo.reset()
     assert predicted[3] > N > predicted[4]
+
+
+def test_step_peak_of_a_two_layer_mlp_by_hand():
     def f(x, w1, w2):
         return (torch.relu(x @ w1) @ w2).sum()
 
