@@ -4,6 +4,7 @@ from __future__ import annotations
 import difflib
 import functools
 import inspect
+import weakref
 from collections.abc import Mapping
 
 import torch
@@ -14,6 +15,7 @@ from partitioners.fusion_policy import compile_fx_near_fusion_in_backward
 from partitioners.config import Config, ConfigError, as_config, warn_once
 from partitioners.partition import CkptPartitioner, Outcome
 from partitioners.pytorch_settings import with_pytorch_budgets
+from partitioners.regions import with_frame_prefix
 from partitioners.plan import Plan
 from .reports.report import build_report, write_report
 
@@ -46,8 +48,10 @@ class CkptBackend:
     process and adds no Plan.
     """
 
-    def __init__(self, config: Config | Mapping | None = None):
+    def __init__(self, config: Config | Mapping | None = None, model: torch.nn.Module | None = None):
         self._config = None if config is None else as_config(config)
+        # Held weakly: the backend must not keep a user's model alive.
+        self._model = None if model is None else weakref.ref(model)
         self.plans: list[Plan] = []
         self.reports: list[dict] = []
 
@@ -68,6 +72,9 @@ class CkptBackend:
             # PyTorch's own budget settings (region annotations, functorch's
             # activation_memory_budget) are honored, not dropped.
             config = with_pytorch_budgets(self.config, gm)
+            # Per-module budgets match paths from the model's root, also in
+            # a frame that starts inside it (graph breaks, per-block compile).
+            config = with_frame_prefix(config, gm, example_inputs, self._model and self._model())
             patches = inductor_patches(mode, options)
             # Resolved once, before Inductor starts: every plan of this
             # graph (the step view's re-plans too) is for the same bytes.
@@ -197,16 +204,20 @@ def _unknown_option_message(key, name: str, known: set[str]) -> str:
     )
 
 
-def make_backend(config: Config | Mapping | None = None, **overrides) -> CkptBackend:
+def make_backend(config: Config | Mapping | None = None, *, model: torch.nn.Module | None = None,
+                 **overrides) -> CkptBackend:
     """A backend with ``config`` and field overrides.
 
     ``config`` is a Config, a dict of its fields (the rest keep their
-    defaults), or None for ``Config.from_env()``.
+    defaults), or None for ``Config.from_env()``. ``model``: the model whose
+    module paths per-module budgets name; with it, a graph that starts
+    inside the model (after a graph break in a submodule, or a block
+    compiled alone) finds its own place (else: ``module_prefix``).
 
     >>> torch.compile(model, backend=make_backend(strict=True))
     """
     base = Config.from_env() if config is None else as_config(config)
-    return CkptBackend(base.replace(**overrides))
+    return CkptBackend(base.replace(**overrides), model=model)
 
 
 ckpt_backend = CkptBackend()

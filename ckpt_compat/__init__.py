@@ -71,6 +71,7 @@ __all__ = [
     "module_stack",
     "must_be_in_backward",
     "must_be_in_forward",
+    "placeholder_source",
     "planning_at",
     "profiler_active",
     "raise_getitems",
@@ -125,6 +126,14 @@ def region_budget_of(node: fx.Node) -> float | None:
     left on ``node`` (None: outside any region, or a torch without the API)."""
     reader = getattr(torch.fx.traceback, "_get_memory_budget_annotation", None)
     return None if reader is None else reader(node)
+
+
+def placeholder_source(node: fx.Node) -> str | None:
+    """Where Dynamo found a graph input (``L['self']._modules['up']._parameters['weight']``),
+    from the placeholder's ``grapharg``; None if unknown."""
+    grapharg = node.meta.get("grapharg")
+    source = getattr(grapharg, "source", None)
+    return None if source is None else source.name
 
 
 def functorch_memory_budget() -> float:

@@ -32,6 +32,7 @@ import itertools
 import math
 import time
 import warnings
+from collections.abc import Mapping
 
 import torch
 import torch.fx as fx
@@ -81,6 +82,9 @@ class _Cut:
     """Heavy ops recomputed because of the budget."""
     recompute_time_s: float = 0.0
     """Estimated runtime of the heavy ops recomputed because of the budget."""
+    price: Mapping[fx.Node, int] = dataclasses.field(default_factory=dict, compare=False)
+    """The recompute price of each heavy op the cut was made with (absent:
+    never recomputed), so that a region's choice can be held fixed."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +103,8 @@ class BudgetSolution(_Cut):
     solve_time_s: float = 0.0
     rungs: tuple["Rung", ...] = ()
     """Looser plans a measured step may fall back to (LADDER), tight to loose."""
+    regions: tuple = ()
+    """Per-region budgets: what each region asked and got (regions.RegionOutcome)."""
 
     @classmethod
     def of(cls, cut: _Cut, **outcome) -> "BudgetSolution":
@@ -131,7 +137,7 @@ def ladder(budget: MemoryBudget | None) -> tuple[str, ...]:
     budgets and PyTorch's fractions are hard limits: none."""
     if budget is None or budget.nbytes is not None or budget.pytorch_meaning:
         return ()
-    if budget.is_peak:
+    if budget.is_peak or budget.regional:
         return (RUNTIME_OPTIMAL,)
     looser = tuple(str(f) for f in LADDER_FRACTIONS if f > budget.fraction)
     return looser + (RUNTIME_OPTIMAL,) if budget.fraction < 1 else ()
@@ -155,12 +161,13 @@ def solve_with_budget(
 
     With a step ``context`` (partitioners/step.py), every predicted peak is
     the step's with this graph's plan in it, and a byte budget is the step's
-    total, of which this graph gets its share.
+    total, of which this graph gets its share. A regional budget is
+    regions.py's.
     """
     start = time.perf_counter()
     flow = build_flow_graph(facts)  # once: the search's cuts differ in terminal edges only
-    optimal = _cut_of(facts, _min_cut(flow), context)
     search = _Search(flow, profile, context)
+    optimal = search.optimal()
     if budget is not None and budget.is_peak:
         cut, target, note = _solve_for_peak(search, budget, optimal, context), budget.peak_bytes, None
         fits = cut.estimated_peak_bytes <= _planned_peak(budget, context)
@@ -428,13 +435,27 @@ def priced_runtimes(facts: GraphFacts, profile: DeviceProfile) -> dict[fx.Node, 
     }
 
 
-class _Search:
-    """Min cuts over boundary families and recompute rates, counted."""
+@dataclasses.dataclass(frozen=True)
+class Scope:
+    """The part of a graph a search decides (a region of per-region budgets),
+    and what is held fixed outside it: other regions' prices and boundaries."""
 
-    def __init__(self, flow: FlowGraph, profile: DeviceProfile, context: StepContext | None = None):
+    nodes: frozenset[fx.Node]
+    price: Mapping[fx.Node, int] = dataclasses.field(default_factory=dict)
+    boundaries: frozenset[fx.Node] = frozenset()
+
+
+class _Search:
+    """Min cuts over boundary families and recompute rates, counted; within
+    a ``scope`` (None: the whole graph), saved bytes, boundaries and heavy
+    ops are the scope's, the rest of the cut as the scope holds it."""
+
+    def __init__(self, flow: FlowGraph, profile: DeviceProfile, context: StepContext | None = None,
+                 scope: Scope | None = None):
         self.flow = flow
         self.profile = profile
         self.context = context
+        self.scope = scope
         self.facts = flow.facts
         self.cuts = 0
         self._families: list[_Cut] = []
@@ -446,11 +467,23 @@ class _Search:
     # plan fits never pays for them.
     @functools.cached_property
     def spine(self) -> list[fx.Node]:
-        return spine_values(self.facts)
+        return [node for node in spine_values(self.facts) if self._within(node)]
 
     @functools.cached_property
     def runtime(self) -> dict[fx.Node, float]:
-        return priced_runtimes(self.facts, self.profile)
+        return {node: s for node, s in priced_runtimes(self.facts, self.profile).items() if self._within(node)}
+
+    def _within(self, node: fx.Node) -> bool:
+        return self.scope is None or node in self.scope.nodes
+
+    def optimal(self) -> _Cut:
+        """The runtime-optimal cut (within the scope, the rest held)."""
+        if self.scope is None:
+            return _cut_of(self.facts, _min_cut(self.flow), self.context)
+        return _cut_of(
+            self.facts, _min_cut(self.flow, self.scope.price, self.scope.boundaries), self.context,
+            scope=self.scope.nodes,
+        )
 
     @functools.cached_property
     def rates(self) -> list[float]:
@@ -612,11 +645,12 @@ class _Search:
             for node, seconds in self.runtime.items()
             if node not in keep
         }
-        saved = _min_cut(self.flow, price, boundaries)
+        held = self.scope or Scope(frozenset())
+        saved = _min_cut(self.flow, {**held.price, **price}, held.boundaries | frozenset(boundaries))
         recomputed = frozenset(recomputed_nodes(self.facts, set(saved)) & self.runtime.keys())
         return _cut_of(
-            self.facts, saved, self.context, boundaries=frozenset(boundaries), rate=rate,
-            priced_recomputed=recomputed,
+            self.facts, saved, self.context, scope=None if self.scope is None else self.scope.nodes,
+            boundaries=frozenset(boundaries), rate=rate, priced_recomputed=recomputed, price=price,
             # fsum: exact, so sets of ops of equal runtimes tie exactly whatever
             # the set's order (a plain sum's rounding broke ties differently
             # from run to run: which of the identical layers to recompute).
@@ -624,11 +658,13 @@ class _Search:
         )
 
 
-def _cut_of(facts: GraphFacts, saved: list[fx.Node], context: StepContext | None, **how) -> _Cut:
-    """The cut saving ``saved``, its bytes and predicted peak; ``how`` it was made."""
+def _cut_of(facts: GraphFacts, saved: list[fx.Node], context: StepContext | None, scope=None, **how) -> _Cut:
+    """The cut saving ``saved``, its bytes (of the nodes in ``scope`` alone,
+    when given) and predicted peak; ``how`` it was made."""
     peak = estimate_step_peak(facts, saved)
+    counted = saved if scope is None else [node for node in saved if node in scope]
     return _Cut(
-        saved=tuple(saved), saved_bytes=activation_bytes(facts, saved),
+        saved=tuple(saved), saved_bytes=activation_bytes(facts, counted),
         estimated_peak_bytes=predicted_peak(peak, context), peak=peak, **how,
     )
 

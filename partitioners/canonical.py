@@ -19,7 +19,7 @@ import torch.fx as fx
 import ckpt_compat as compat
 
 # Dynamo writes module paths as "L['self'].blocks.0.fc".
-_DYNAMO_ROOT = re.compile(r"^L\['self'\]\.?")
+_DYNAMO_ROOT = re.compile(r"^L\['[^']*'\]\.?")  # the frame's module, whatever its argument is called
 
 
 def canonical_names(graph: fx.Graph) -> dict[fx.Node, str]:

@@ -55,9 +55,36 @@ class MemoryBudget:
     a byte budget (ckpt's own fraction instead stops at the plan of lowest
     predicted peak, below which saving less only raises the peak)."""
 
+    regions: tuple[tuple[str, float], ...] = ()
+    """Per-module fractions: ``(module path prefix, fraction)``, the longest
+    prefix matching a node's module path wins (``"vision_tower=0.0"``). The
+    fields above are then the rest of the graph's budget (``fraction`` or
+    ``nbytes``; None: runtime-optimal) and the step's cap (``peak_bytes``)."""
+    pytorch_regions: bool = False
+    """The graph holds ``region_activation_memory_budget`` regions that do not
+    cover it whole (or several budgets): each region gets its own budget, the
+    fields above are the rest's (partitioners/regions.py)."""
+
     @property
     def is_peak(self) -> bool:
         return self.peak_bytes is not None or self.peak_auto
+
+    @property
+    def regional(self) -> bool:
+        """Budgets differ by region of the graph (partitioners/regions.py)."""
+        return bool(self.regions) or self.pytorch_regions
+
+    @property
+    def rest(self) -> "MemoryBudget | None":
+        """The fraction or byte part alone (None: neither): a regional budget's rest."""
+        if self.fraction is None and self.nbytes is None:
+            return None
+        return MemoryBudget(fraction=self.fraction, nbytes=self.nbytes, pytorch_meaning=self.pytorch_meaning)
+
+    @property
+    def cap(self) -> "MemoryBudget | None":
+        """The ``peak:`` part alone (None: no cap)."""
+        return MemoryBudget(peak_bytes=self.peak_bytes, peak_auto=self.peak_auto) if self.is_peak else None
 
     @classmethod
     def parse(cls, value, name: str = "memory_budget") -> "MemoryBudget":
@@ -65,6 +92,10 @@ class MemoryBudget:
         ``"peak:auto"``; anything else is a ConfigError."""
         if isinstance(value, MemoryBudget):
             return value
+        if isinstance(value, Mapping):
+            return cls._regional(list(value.items()), name, value)
+        if isinstance(value, str) and REGION_ASSIGN in value:
+            return cls._regional([_region_entry(entry) for entry in value.split(REGION_SEPARATOR)], name, value)
         if isinstance(value, bool) or not isinstance(value, (int, float, str)):
             raise ConfigError(f"{name}={value!r} is not a memory budget; use {_BUDGET_FORMS}")
         if isinstance(value, str) and value.strip().lower().startswith(PEAK_PREFIX):
@@ -117,7 +148,51 @@ class MemoryBudget:
             )
         return cls(peak_bytes=nbytes)
 
+    @classmethod
+    def _regional(cls, entries: list, name: str, given) -> "MemoryBudget":
+        """Per-module fractions from ``(path prefix, budget)`` pairs; the empty
+        prefix is the rest of the graph (a fraction or bytes) or the step's
+        cap (``peak:...``)."""
+        regions: dict[str, float] = {}
+        rest = cap = None
+        for key, value in entries:
+            if not isinstance(key, str):
+                raise ConfigError(f"{name}={given!r}: module path {key!r} is not a str; {_REGION_FORMS}")
+            path = module_path_key(key)
+            where = f"{name}[{path!r}]" if path else name
+            budget = cls.parse(value, where)
+            if budget.regional:
+                raise ConfigError(f"{where}={value!r}: a module's budget is one value; {_REGION_FORMS}")
+            if path and budget.fraction is None:
+                raise ConfigError(
+                    f"{where}={value!r}: a module's budget is a fraction 0.0..1.0; bytes and peak: budgets "
+                    f"are the whole step's, give them without a module path; {_REGION_FORMS}"
+                )
+            if path in regions or (not path and (cap if budget.is_peak else rest) is not None):
+                raise ConfigError(f"{name}={given!r} gives {path or 'the rest of the graph'!r} two budgets; {_REGION_FORMS}")
+            if path:
+                regions[path] = budget.fraction
+            elif budget.is_peak:
+                cap = budget
+            else:
+                rest = budget
+        if not regions:
+            raise ConfigError(f"{name}={given!r} names no module; {_REGION_FORMS}")
+        rest, cap = rest or cls(), cap or cls()
+        return cls(
+            fraction=rest.fraction, nbytes=rest.nbytes, peak_bytes=cap.peak_bytes, peak_auto=cap.peak_auto,
+            regions=tuple(sorted(regions.items())),
+        )
+
     def __str__(self) -> str:
+        if self.regional:
+            parts = [f"{path}={fraction:g}" for path, fraction in self.regions]
+            if self.pytorch_regions:
+                parts.append("region_activation_memory_budget regions")
+            parts.append(f"rest: {self.rest or 'runtime-optimal'}")
+            if self.cap is not None:
+                parts.append(f"cap: {self.cap}")
+            return ", ".join(parts)
         if self.fraction is not None:
             return f"{self.fraction:g} of runtime-optimal" + (" (PyTorch's meaning)" if self.pytorch_meaning else "")
         if self.peak_auto:
@@ -125,6 +200,29 @@ class MemoryBudget:
         if self.peak_bytes is not None:
             return f"peak {self.peak_bytes} bytes"
         return f"{self.nbytes} bytes"
+
+
+# The compact form of per-module budgets: "vision_tower=0.0,language_model.layers=0.5,peak:6GiB".
+REGION_ASSIGN = "="
+REGION_SEPARATOR = ","
+_REGION_FORMS = (
+    "per-module budgets map module path prefixes to fractions, e.g. "
+    "{'vision_tower': 0.0, 'language_model.layers': 0.5} or CKPT_MEMORY_BUDGET="
+    "'vision_tower=0.0,language_model.layers=0.5'; an entry without a path (the key '' "
+    "in a mapping) is the rest of the graph's fraction or bytes, or a peak: cap on the step"
+)
+_INDEX = re.compile(r"\[['\"]?([^\]'\"]+)['\"]?\]")
+
+
+def module_path_key(path: str) -> str:
+    """A module path in the dotted form budgets match on: ``layers[0].mlp``
+    and ``layers.0.mlp`` are both ``layers.0.mlp``."""
+    return _INDEX.sub(r".\1", path.strip()).strip(".")
+
+
+def _region_entry(entry: str) -> tuple[str, str]:
+    path, assigned, value = entry.partition(REGION_ASSIGN)
+    return (path, value) if assigned else ("", entry)
 
 
 _warned: set[str] = set()
@@ -168,6 +266,14 @@ def _parse_folder(value, name: str) -> str | None:
 
 def _parse_budget(value, name: str) -> MemoryBudget | None:
     return None if value is None else MemoryBudget.parse(value, name=name)
+
+
+def _parse_module_prefix(value, name: str) -> str:
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise ConfigError(f"{name}={value!r} is not a module path; use a str such as 'layers.3'")
+    return module_path_key(value)
 
 
 def _parse_device_profile(value, name: str) -> str | None:
@@ -228,6 +334,13 @@ class Config:
     """With step planning, measure the first steps' peak (CUDA's counter, on
     CPU the profiler's memory events) and correct the peak model by it where
     a ``peak:`` cap is broken (``CKPT_MEASURE_STEPS``). Off: the model alone."""
+
+    module_prefix: str = dataclasses.field(default="", metadata={"parse": _parse_module_prefix})
+    """The module path of the compiled module within the model, prepended to
+    every node's path before per-module budgets match it
+    (``CKPT_MODULE_PREFIX``): per-block compile gives each block's backend its
+    path, e.g. ``make_backend(memory_budget={...}, module_prefix=f"layers.{i}")``.
+    Empty: paths start at the compiled module (the whole model)."""
 
     device_profile: str | None = dataclasses.field(
         default=None, metadata={"parse": _parse_device_profile}

@@ -23,6 +23,7 @@ from .config import Config, ConfigError, warn_once
 from .budget import graph_device, resolved_budget, solve_with_budget
 from .cost import profile_for
 from .plan import Plan, build_plan
+from .regions import label_regions, solve_regions
 from .rank_sync import check_same_plan_on_all_ranks
 from .step import StepContext
 
@@ -87,6 +88,9 @@ def _decide(joint_gm, num_fwd_outputs, static_lifetime_input_indices, config: Co
     # The backend resolved peak:auto from the example inputs already; a
     # partitioner used on its own resolves it here, from the graph.
     budget = resolved_budget(config.memory_budget, graph_device(joint_gm.graph))
+    if budget is not None and budget.regional:
+        regions = label_regions(facts, budget, config.module_prefix)
+        return facts, solve_regions(facts, budget, regions, profile, step)
     return facts, solve_with_budget(facts, budget, profile, step)
 
 

@@ -68,6 +68,9 @@ class Plan:
     rungs: tuple[Rung, ...] = ()
     """The plans of looser budgets the step view may fall back to when this
     one measures above what they are predicted to peak (budget.ladder)."""
+    regions: tuple = ()
+    """Per-region budgets: each region's budget, saved bytes and recomputed
+    heavy ops (regions.RegionOutcome), in graph order."""
 
     @property
     def saved(self) -> tuple[str, ...]:
@@ -125,6 +128,7 @@ def build_plan(facts: GraphFacts, saved: list[fx.Node], solution: BudgetSolution
         recompute_time_s=solution.recompute_time_s,
         solve_time_s=solution.solve_time_s,
         rungs=solution.rungs,
+        regions=solution.regions,
     )
     return Plan(
         decisions=tuple(decisions), saved_activation_bytes=activation_bytes(facts, saved),

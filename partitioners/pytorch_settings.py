@@ -13,13 +13,14 @@ would), reached ckpt's way (the cheapest recomputation within it).
   fraction or byte budget for that graph, as it overrides PyTorch's global
   setting; a ``peak:`` cap stays the limit.
 
-ckpt plans one budget per graph for now. PyTorch rejects a region that does
-not cover the whole graph, and conflicting regions in one graph; ckpt
-applies the tightest region's budget to the whole graph instead, with a
-warning that names how many ops it also covers (a graph break between
-regions gives each its own graph and budget).
+Several regions in one graph, or a region beside ops outside it (which
+PyTorch rejects), each keep their own budget (partitioners/regions.py): the
+ops outside keep ckpt's budget, or functorch's. Under a ``peak:`` cap the
+regions are the preferences and the cap the limit.
 """
 from __future__ import annotations
+
+import dataclasses
 
 import torch.fx as fx
 
@@ -33,35 +34,33 @@ _OPS = ("call_function", "call_method", "call_module")
 
 def with_pytorch_budgets(config: Config, gm: fx.GraphModule) -> Config:
     """``config`` with the budget PyTorch's settings ask of Dynamo graph ``gm``."""
-    region = _region_budget(gm)
-    if region is not None:
-        if config.memory_budget is not None and config.memory_budget.is_peak:
+    budgets, outside = _region_budgets(gm)
+    functorch = compat.functorch_memory_budget()
+    own = config.memory_budget
+    if own is None and functorch < PYTORCH_DEFAULT_BUDGET:
+        own = MemoryBudget(fraction=functorch, pytorch_meaning=True)
+    elif own is not None and functorch < PYTORCH_DEFAULT_BUDGET:
+        warn_once(
+            f"ckpt: memory_budget={own} is used; torch._functorch.config."
+            f"activation_memory_budget={functorch:g} is not (ckpt's budget wins when both are set)"
+        )
+    if not budgets:
+        return config if own is config.memory_budget else config.replace(memory_budget=own)
+    whole = len(budgets) == 1 and not outside
+    if whole and (own is None or not (own.is_peak or own.regional)):
+        if own is not None and config.memory_budget is not None:
             warn_once(
-                f"ckpt: memory_budget={config.memory_budget} is a cap on the step and stays the "
-                f"limit; region_activation_memory_budget({region:g}) in this graph is not combined "
-                "with a peak: cap yet. Set a fraction or byte budget instead of the cap to use the region's"
+                f"ckpt: region_activation_memory_budget({budgets[0]:g}) overrides memory_budget="
+                f"{own} for the graphs it covers, as it overrides PyTorch's global setting"
             )
-            return config
-        if config.memory_budget is not None:
-            warn_once(
-                f"ckpt: region_activation_memory_budget({region:g}) overrides memory_budget="
-                f"{config.memory_budget} for the graphs it covers, as it overrides PyTorch's global setting"
-            )
-        return config.replace(memory_budget=MemoryBudget(fraction=region, pytorch_meaning=True))
-    value = compat.functorch_memory_budget()
-    if value >= PYTORCH_DEFAULT_BUDGET:
-        return config
-    if config.memory_budget is None:
-        return config.replace(memory_budget=MemoryBudget(fraction=value, pytorch_meaning=True))
-    warn_once(
-        f"ckpt: memory_budget={config.memory_budget} is used; torch._functorch.config."
-        f"activation_memory_budget={value:g} is not (ckpt's budget wins when both are set)"
-    )
-    return config
+        return config.replace(memory_budget=MemoryBudget(fraction=budgets[0], pytorch_meaning=True))
+    # Regions beside other ops, beside per-module budgets, or under a cap:
+    # each region its own budget, the rest keeps ``own``.
+    return config.replace(memory_budget=dataclasses.replace(own or MemoryBudget(), pytorch_regions=True))
 
 
-def _region_budget(gm: fx.GraphModule) -> float | None:
-    """The region budget for ``gm``: the tightest of its regions (None: no region)."""
+def _region_budgets(gm: fx.GraphModule) -> tuple[list[float], int]:
+    """The distinct region budgets in ``gm`` and how many ops are outside any region."""
     budgets, outside = set(), 0
     for node in gm.graph.nodes:
         if node.op not in _OPS:
@@ -71,19 +70,4 @@ def _region_budget(gm: fx.GraphModule) -> float | None:
             outside += 1
         else:
             budgets.add(budget)
-    if not budgets:
-        return None
-    tightest = min(budgets)
-    if len(budgets) > 1 or outside:
-        parts = []
-        if len(budgets) > 1:
-            parts.append(f"regions of budgets {', '.join(f'{b:g}' for b in sorted(budgets))}")
-        if outside:
-            parts.append(f"{outside} op(s) outside any region")
-        warn_once(
-            f"ckpt: one compiled graph holds {' and '.join(parts)}; ckpt plans one budget per graph "
-            f"for now and applies the tightest, {tightest:g}, to all of it. A torch._dynamo.graph_break() "
-            "between regions gives each its own graph and budget"
-        )
-    return tightest
-
+    return sorted(budgets), outside

@@ -34,7 +34,7 @@ def test_unknown_variable_warns_with_the_known_ones():
 def test_make_backend_overrides_and_rejects_unknown_fields():
     assert make_backend(strict=True).config.strict is True
     assert make_backend(Config(strict=True)).config == Config(strict=True)
-    with pytest.raises(ConfigError, match=r"unknown ckpt setting\(s\) \['budget'\]; valid settings: \['device_profile', 'measure_steps', 'memory_budget', 'report_dir', 'step_planning', 'strict'\]"):
+    with pytest.raises(ConfigError, match=r"unknown ckpt setting\(s\) \['budget'\]; valid settings: \['device_profile', 'measure_steps', 'memory_budget', 'module_prefix', 'report_dir', 'step_planning', 'strict'\]"):
         make_backend(budget=0.5)
 
 

@@ -39,6 +39,7 @@ ORDER = [
     "partitioners.peak",  # the package re-exports its modules' public names
     "partitioners.step",
     "partitioners.budget",
+    "partitioners.regions",  # per-region budgets: budget.py's search, scoped
     "partitioners.plan",
     "partitioners.rank_sync",
     "partitioners.partition",

@@ -101,6 +101,8 @@ def build_report(outcome: Outcome) -> dict:
         },
         "forward_graph": _forward_graph(facts, names, decisions),
     }
+    if plan.regions:
+        report["regions"] = [_region_row(row, by_name, names) for row in plan.regions]
     # The id depends on the graph alone, not on decisions: reports of one
     # graph under two settings share it and can be diffed.
     report["graph"] = structure_digest(facts.nodes, names)
@@ -141,6 +143,7 @@ def render_markdown(report: dict) -> str:
             f"| {v['name']} | {v['op']} | {shape} | {v['dtype']} | {v['bytes']} | "
             f"{v['ckpt']} | {v['reason']} | {v['pytorch']} |"
         )
+    lines += _regions_section(report.get("regions", []))
     lines += [
         "",
         "## Memory ledger (what this graph knows)",
@@ -153,6 +156,37 @@ def render_markdown(report: dict) -> str:
     ]
     lines += [f"  - {t['name']} ({t['op']}, {t['where']}): {_size(t['bytes'])}" for t in ledger["largest_temporaries"]]
     return "\n".join(lines) + "\n"
+
+
+def _region_row(row, by_name: dict, names: dict) -> dict:
+    """One region of a per-region budget, with canonical value names."""
+    return {
+        "region": row.key, "budget": row.budget, "forward_ops": row.nodes,
+        "optimal_saved_bytes": row.optimal_bytes, "allowed_bytes": row.target_bytes,
+        "saved_bytes": row.saved_bytes, "saved": [names[by_name[n]] for n in row.saved],
+        "heavy_recomputed": [names[by_name[n]] for n in row.recomputed_heavy], "note": row.note,
+    }
+
+
+def _regions_section(regions: list[dict]) -> list[str]:
+    """Per-region budgets: each region's budget, bytes and decisions."""
+    if not regions:
+        return []
+    lines = [
+        "", "## Regions (per-region budgets)", "",
+        "| region | budget | forward ops | runtime-optimal saves | allowed | saves | heavy ops recomputed |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r['region']} | {r['budget']} | {r['forward_ops']} | {_size(r['optimal_saved_bytes'])} | "
+        f"{_size(r['allowed_bytes'])} | {_size(r['saved_bytes'])} | {len(r['heavy_recomputed'])} |"
+        for r in regions
+    ]
+    lines.append("")
+    for r in regions:
+        lines += [f"- {r['region']}: saves {', '.join(r['saved']) or 'nothing'}; recomputes "
+                      f"{', '.join(r['heavy_recomputed']) or 'no heavy op'}" + (f"; {r['note']}" if r["note"] else "")]
+    return lines
 
 
 # The optimizer's state: the backend compiles before any optimizer step and

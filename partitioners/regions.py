@@ -1,0 +1,226 @@
+"""Per-region budgets: each part of a graph planned with its own budget.
+
+A region is the set of forward nodes one budget covers: the nodes whose
+module path (Dynamo's ``nn_module_stack``, after ``Config.module_prefix``)
+starts with a prefix of ``memory_budget={"vision_tower": 0.0, ...}`` (the
+longest prefix wins), or the nodes under one
+``torch.autograd.graph.region_activation_memory_budget(b)``. What no region
+claims is the rest, planned with the budget's rest (runtime-optimal if none).
+
+Regions are searched one at a time in graph order with budget.py's search,
+scoped to the region: its saved bytes, segment boundaries and heavy ops are
+its own, the regions before it are held as they were decided, the ones
+after it at their runtime-optimal cut. A ``peak:`` cap is the limit over the
+preferences: if the plan's predicted step peak breaks it, every region's
+fraction (the runtime-optimal ones as 1.0) is scaled by TIGHTENING in turn
+until one fits, and if none does, the cap's own plan is used (a warning says
+the preferences were dropped).
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+import time
+import warnings
+
+import torch
+import torch.fx as fx
+
+import ckpt_compat as compat
+from .budget import (
+    RUNTIME_OPTIMAL, BudgetSolution, Scope, _cut_of, _min_cut, _planned_peak, _rung, _Search,
+    _solve_for_peak, _target_bytes, _within_fraction_or_bytes,
+)
+from .canonical import module_path
+from .classify import GraphFacts, activation_bytes, recomputed_nodes
+from .config import Config, MemoryBudget, module_path_key
+from .cost import DeviceProfile
+from .mincut import build_flow_graph
+from .step import StepContext
+
+REST = ""
+"""The region of nodes no prefix or PyTorch region claims."""
+# Under a peak: cap the preferences are scaled by these factors in turn, so
+# the regions keep their order of tightness while the plan comes down.
+TIGHTENING = (0.5, 0.25, 0.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Region:
+    """A part of the graph and the budget it asked for (None: runtime-optimal)."""
+
+    key: str
+    """The module path prefix, REST, or ``region_activation_memory_budget(b)``."""
+    budget: MemoryBudget | None
+
+
+@dataclasses.dataclass(frozen=True)
+class RegionOutcome:
+    """What one region asked and got: a row of the report's regions table."""
+
+    key: str
+    budget: str
+    nodes: int
+    """Forward ops in the region."""
+    optimal_bytes: int
+    """What the region saves in the runtime-optimal plan."""
+    target_bytes: int
+    saved_bytes: int
+    saved: tuple[str, ...]
+    """Names of the region's values saved for backward, in graph order."""
+    recomputed_heavy: tuple[str, ...]
+    """Matmuls, attention and shrinking reductions recomputed because of the budget."""
+    note: str | None = None
+
+
+def region_key_of(node: fx.Node, budget: MemoryBudget, prefix: str = "") -> Region:
+    """The region ``node`` belongs to under ``budget``."""
+    if budget.pytorch_regions:
+        annotated = compat.region_budget_of(node)
+        if annotated is not None:
+            return Region(
+                f"region_activation_memory_budget({annotated:g})",
+                MemoryBudget(fraction=annotated, pytorch_meaning=True),
+            )
+    path = module_path_key(".".join(p for p in (prefix, _path(node)) if p))
+    matches = [key for key, _ in budget.regions if path == key or path.startswith(key + ".")]
+    if not matches:
+        return Region(REST, budget.rest)
+    key = max(matches, key=len)
+    return Region(key, MemoryBudget(fraction=dict(budget.regions)[key]))
+
+
+def _path(node: fx.Node) -> str:
+    path = module_path(node)
+    return "" if path == "-" else path
+
+
+# Dynamo's source of a parameter: L['self']._modules['up']._parameters['weight'].
+_FRAME_ROOT = re.compile(r"^L\[['\"][^'\"]*['\"]\]")
+_SOURCE_ATTRIBUTES = re.compile(r"\._(modules|parameters|buffers)(?=\[)")
+
+
+def frame_prefix(gm: fx.GraphModule, example_inputs, model: torch.nn.Module) -> str | None:
+    """Where the module of Dynamo graph ``gm``'s frame sits in ``model``,
+    found through a parameter it reads: ``"text.1"`` for a frame that starts
+    at ``model.text[1]`` (after a graph break inside it, or compiled per
+    block). None: no parameter of ``model`` among the graph's inputs."""
+    names = {id(value): name for name, value in model.named_parameters(remove_duplicate=False)}
+    names.update({id(value): name for name, value in model.named_buffers(remove_duplicate=False)})
+    for node, value in zip(gm.graph.find_nodes(op="placeholder"), example_inputs):
+        full, source = names.get(id(value)), compat.placeholder_source(node)
+        if full is None or source is None:
+            continue
+        local = module_path_key(_SOURCE_ATTRIBUTES.sub("", _FRAME_ROOT.sub("", source)))
+        if full == local:
+            return ""
+        if full.endswith("." + local):
+            return full[: -len(local) - 1]
+    return None
+
+
+def with_frame_prefix(config: Config, gm: fx.GraphModule, example_inputs, model: torch.nn.Module | None) -> Config:
+    """``config`` with the module prefix of ``gm``'s frame in ``model``, when
+    per-module budgets need it and ``model`` is known; else as it is."""
+    budget = config.memory_budget
+    if model is None or budget is None or not budget.regions:
+        return config
+    prefix = frame_prefix(gm, example_inputs, model)
+    return config if prefix is None else config.replace(module_prefix=prefix)
+
+
+def label_regions(facts: GraphFacts, budget: MemoryBudget, prefix: str = "") -> dict[Region, frozenset[fx.Node]]:
+    """The forward nodes of each region, regions in graph order of their first node."""
+    members: dict[Region, list[fx.Node]] = {}
+    for node in facts.nodes:
+        if node in facts.forward and node.op == "call_function":
+            members.setdefault(region_key_of(node, budget, prefix), []).append(node)
+    return {region: frozenset(nodes) for region, nodes in members.items()}
+
+
+def solve_regions(
+    facts: GraphFacts, budget: MemoryBudget, regions: dict[Region, frozenset[fx.Node]],
+    profile: DeviceProfile, context: StepContext | None = None,
+) -> BudgetSolution:
+    """The plan where each region keeps its own budget, under the cap if any."""
+    start = time.perf_counter()
+    flow = build_flow_graph(facts)
+    optimal = _Search(flow, profile, context).optimal()
+    plan, outcomes, cuts = _preferred(flow, regions, profile, context, scale=1.0)
+    fits, note = True, None
+    cap = budget.cap
+    if cap is not None and plan.estimated_peak_bytes > _planned_peak(cap, context):
+        for scale in TIGHTENING:
+            plan, outcomes, more = _preferred(flow, regions, profile, context, scale)
+            cuts += more
+            if plan.estimated_peak_bytes <= _planned_peak(cap, context):
+                note = f"the regions' fractions were scaled by {scale:g} to fit the cap {cap}"
+                break
+        else:
+            search = _Search(flow, profile, context)
+            plan = _solve_for_peak(search, cap, optimal, context)
+            cuts += search.cuts
+            optimal_of = {r: activation_bytes(facts, [n for n in optimal.saved if n in nodes]) for r, nodes in regions.items()}
+            outcomes = _outcomes(facts, regions, plan, {}, optimal_of, optimal_of)
+            fits = plan.estimated_peak_bytes <= _planned_peak(cap, context)
+            note = f"no plan keeping the regions' preferences fits the cap {cap}: planned for the cap alone"
+            warnings.warn(f"ckpt: {note}", stacklevel=3)
+    return BudgetSolution.of(
+        plan, target_bytes=cap.peak_bytes if cap is not None else plan.saved_bytes,
+        optimal_bytes=optimal.saved_bytes, fits=fits and all(o.saved_bytes <= o.target_bytes for o in outcomes),
+        note=note, cuts=cuts + 1, solve_time_s=time.perf_counter() - start,
+        rungs=(_rung(RUNTIME_OPTIMAL, optimal),) if plan.saved != optimal.saved else (), regions=outcomes,
+    )
+
+
+def _preferred(flow, regions, profile, context, scale: float):
+    """Each region's cut for its budget with fractions times ``scale``
+    (runtime-optimal regions as 1.0), in graph order: the whole plan, the
+    outcomes, and the cuts made."""
+    price, boundaries, cuts = {}, frozenset(), 0
+    asked, notes = {}, {}
+    optimal_of = {}
+    for region, nodes in regions.items():
+        budget = _scaled(region.budget, scale)
+        search = _Search(flow, profile, context, Scope(nodes, dict(price), boundaries))
+        own = search.optimal()
+        optimal_of[region] = own.saved_bytes
+        target = _target_bytes(budget, own.saved_bytes, context)
+        cut, target, notes[region] = _within_fraction_or_bytes(search, budget, target, own)
+        asked[region] = target
+        price.update(cut.price)
+        boundaries |= cut.boundaries
+        cuts += search.cuts + 1
+    saved = _min_cut(flow, price, boundaries)
+    heavy = frozenset(price)
+    recomputed = frozenset(recomputed_nodes(flow.facts, set(saved)) & heavy)
+    plan = _cut_of(flow.facts, saved, context, boundaries=boundaries, priced_recomputed=recomputed, price=price)
+    outcomes = _outcomes(flow.facts, regions, plan, notes, optimal_of, asked, scale)
+    return plan, outcomes, cuts
+
+
+def _scaled(budget: MemoryBudget | None, scale: float) -> MemoryBudget | None:
+    if scale == 1.0:
+        return budget
+    if budget is None:
+        return MemoryBudget(fraction=scale)
+    if budget.fraction is None:  # bytes: a hard limit already
+        return budget
+    return dataclasses.replace(budget, fraction=budget.fraction * scale)
+
+
+def _outcomes(facts, regions, plan, notes, optimal_of, asked, scale: float = 1.0) -> tuple[RegionOutcome, ...]:
+    return tuple(
+        RegionOutcome(
+            key=region.key or "(rest)",
+            budget=str(_scaled(region.budget, scale) or "runtime-optimal"),
+            nodes=len(nodes),
+            optimal_bytes=optimal_of[region],
+            target_bytes=asked[region],
+            saved_bytes=activation_bytes(facts, [n for n in plan.saved if n in nodes]),
+            saved=tuple(n.name for n in facts.nodes if n in nodes and n in plan.saved),
+            recomputed_heavy=tuple(n.name for n in facts.nodes if n in plan.priced_recomputed and n in nodes),
+            note=notes.get(region),
+        )
+        for region, nodes in regions.items()
+    )
