@@ -15,6 +15,7 @@ and Inductor must copy are buffers too (``layouts.copied_views``).
 from __future__ import annotations
 
 import bisect
+import operator
 
 import torch.fx as fx
 
@@ -26,14 +27,22 @@ from .schedule import _loop_numel
 
 
 def materialized(facts: GraphFacts, order: list[fx.Node], kept: set[fx.Node],
-                 kernel_local: dict | None = None, *, lowered: LoweredGraph | None = None) -> set[fx.Node]:
+                 kernel_local: dict | None = None, *, lowered: LoweredGraph | None = None,
+                 late: dict | None = None, rank: dict | None = None) -> set[fx.Node]:
     """The nodes of ``order`` that write a buffer of their own, by Inductor's
     rules. ``kernel_local`` collects the values realized inside one kernel
-    and dropped (``_kernel_local``), each with its span of steps."""
+    and dropped (``_kernel_local``), each with its span of steps. ``late``
+    collects the values written only because an extern kernel reads them,
+    each with the rank of the first such kernel in ``rank`` (the order
+    Inductor lowers the graph in; ``order`` when not given): Inductor
+    realizes such a value when it lowers that extern kernel, and a reader
+    lowered before it computed the value inside its own kernel from the
+    value's inputs (``buffer_reads``)."""
     lowered = lowered or lower(facts)
     in_order = set(order)
     kinds = lowered.kinds
     position = {node: step for step, node in enumerate(order)}
+    rank = rank or position
     externs = [step for step, node in enumerate(order) if node in lowered.externs]
     buffers: set[fx.Node] = set()
     inline_reads: dict[fx.Node, frozenset] = {}
@@ -59,6 +68,11 @@ def materialized(facts: GraphFacts, order: list[fx.Node], kept: set[fx.Node],
             or (realized and not local)
         ):
             buffers.add(node)
+            if late is not None and not (node in kept or node in facts.backward_outputs or realized):
+                externs_reading = [rank[u] for u in users if u in lowered.externs and u in rank]
+                if externs_reading and all(
+                        u in lowered.externs or not _written_reader(u, facts, kinds[u], lowered) for u in users):
+                    late[node] = min(externs_reading)
         elif local and kernel_local is not None:
             kernel_local[node] = (position[node], max(position[u] for u in users))
         if node in buffers or realized:  # readers load it as one value
@@ -92,8 +106,8 @@ def _dropped_draw(draw: fx.Node, facts: GraphFacts, kept: set[fx.Node], buffers:
             readers.append(user)
         elif lowered.kinds[user] in (INLINE, ALIAS):
             stack.extend(user.users)
-    size = _loop_numel(draw, facts)
-    if not readers or any(r in lowered.externs or _loop_numel(r, facts) != size for r in readers):
+    size = _loop_numel(draw, facts, lowered.kinds)
+    if not readers or any(r in lowered.externs or _loop_numel(r, facts, lowered.kinds) != size for r in readers):
         return None
     last = max(position[r] for r in readers)
     if bisect.bisect_right(externs, position[draw]) != bisect.bisect_left(externs, last):
@@ -138,11 +152,21 @@ def _written_reader(reader: fx.Node, facts: GraphFacts, kind: str, lowered: Lowe
 
 
 def buffer_reads(facts: GraphFacts, order: list[fx.Node], buffers: set[fx.Node], *,
-                 lowered: LoweredGraph | None = None) -> dict[fx.Node, set[fx.Node]]:
+                 lowered: LoweredGraph | None = None, late: dict | None = None,
+                 rank: dict | None = None) -> dict[fx.Node, set[fx.Node]]:
     """Per buffer-writing node of ``order``, the buffers its kernel reads
     (through inlined values and views). Values from outside ``order`` (saved
-    values, inputs) are read as themselves."""
+    values, inputs) are read as themselves. A value of ``late``
+    (``materialized``) is read by a node ranked before its first extern
+    reader in ``rank`` as what it reads itself: T5's softmax backward is
+    read by the position bias gradient's sum over the batch before the
+    matmuls that realize it, so the sum reads the softmax output and its
+    gradient."""
     lowered = lowered or lower(facts)
+    late = late or {}
+    if late and rank is None:
+        rank = {node: step for step, node in enumerate(order)}
+    inlined: dict[fx.Node, frozenset] = {}  # a late value, as what it reads
     kinds, owners = lowered.kinds, lowered.owners
     sources: dict[fx.Node, frozenset] = {}
     itself: dict[fx.Node, frozenset] = {}
@@ -164,6 +188,12 @@ def buffer_reads(facts: GraphFacts, order: list[fx.Node], buffers: set[fx.Node],
         arg_sources = source(args[0]) if len(args) == 1 else frozenset().union(*map(source, args))
         if copies and not copies.isdisjoint(args) and node in lowered.externs:
             arg_sources = frozenset().union(*(frozenset({a}) if a in copies else source(a) for a in args))
+        if inlined and node in rank and kinds[node] in (INLINE, BUFFER) and node not in lowered.externs \
+                and node.target is not operator.getitem and not inlined.keys().isdisjoint(arg_sources):
+            arg_sources = frozenset().union(*(
+                inlined[b] if b in inlined and rank[node] < late[b] else frozenset({b}) for b in arg_sources))
+        if node in late:
+            inlined[node] = arg_sources
         if node in copies:
             sources[node] = source(owners[node])
             reads[node] = set(arg_sources)

@@ -55,10 +55,11 @@ COSTLY_ON_CPU = frozenset({"exp", "log", "log10", "log1p", "log2", "sigmoid", "t
 NONE, ALIAS, INLINE, BUFFER = "none", "alias", "inline", "buffer"
 
 
-def value_kind(node: fx.Node, facts: GraphFacts) -> str:
+def value_kind(node: fx.Node, facts: GraphFacts, unroll: int = 8) -> str:
     """NONE (no tensor of its own: inputs, tuples, sizes), ALIAS (a view of
     another value), INLINE (an expression Inductor may compute inside its
-    readers' kernels) or BUFFER (always written to memory)."""
+    readers' kernels) or BUFFER (always written to memory). ``unroll``:
+    Inductor's ``unroll_reductions_threshold`` (``unrolled_reduction``)."""
     node_facts = facts.nodes[node]
     if node.op == "placeholder" or node_facts.nbytes == 0 or node_facts.category is OpCategory.SYMBOLIC:
         return NONE
@@ -74,7 +75,26 @@ def value_kind(node: fx.Node, facts: GraphFacts) -> str:
         category = parent
     if category in INLINABLE and node.target not in ALWAYS_WRITTEN:
         return INLINE
+    if unrolled_reduction(node, facts, unroll):
+        return INLINE
     return BUFFER
+
+
+def unrolled_reduction(node: fx.Node, facts: GraphFacts, unroll: int) -> bool:
+    """A reduction over fewer than ``unroll`` elements per output element
+    (Inductor's ``unroll_reductions_threshold``, 8) into more than one
+    element: Inductor lowers it as a pointwise expression that loads each
+    reduced element (torch/_inductor/ir.py ``Reduction.create``), so it has
+    no buffer of its own and is computed inside its readers' kernels. T5's
+    relative position bias: its gradient sums each layer's score gradient
+    over the batch (4), and the sums and their additions across layers are
+    one kernel after the last layer's, reading every layer's softmax
+    output and its gradient."""
+    if facts.nodes[node].category not in REDUCTIONS or isinstance(node.meta.get("val"), (tuple, list)):
+        return False
+    outputs = _numel(node)
+    source = max((_numel(arg) or 0 for arg in node.all_input_nodes), default=0)
+    return bool(outputs and outputs > 1 and source and source // outputs < unroll)
 
 
 def _owner(node: fx.Node, facts: GraphFacts, kinds: dict) -> fx.Node:

@@ -86,12 +86,14 @@ def walk(facts: GraphFacts, order: list[fx.Node], kept: set[fx.Node],
     ``(node, live bytes, alive buffers, Inductor's estimate)`` per step,
     for calibration."""
     lowered = lowered or lower(facts)
-    order = kernel_order(facts, mm_at_its_add(order), lowered=lowered)
-    buffers, reads, copies, kernel_local = _lowered_walk(facts, order, kept, lowered)
+    lowering = mm_at_its_add(order)  # the order Inductor lowers the graph in
+    rank = {node: step for step, node in enumerate(lowering)}
+    order = kernel_order(facts, lowering, lowered=lowered)
+    buffers, reads, copies, kernel_local = _lowered_walk(facts, order, kept, lowered, rank)
     fused = fused_across_externs(facts, order, buffers, reads, lowered=lowered)
     if fused is not order:  # kernels fused across extern kernels: lower again
         order = fused
-        buffers, reads, copies, kernel_local = _lowered_walk(facts, order, kept, lowered)
+        buffers, reads, copies, kernel_local = _lowered_walk(facts, order, kept, lowered, rank)
     copied = {copy for written in copies.values() for copy in written}
     relaid = relaid_contiguous(facts, order, kept, lowered=lowered)
     last_read: dict[fx.Node, int] = {}
@@ -158,10 +160,13 @@ def walk(facts: GraphFacts, order: list[fx.Node], kept: set[fx.Node],
     return max([start_bytes, *running])
 
 
-def _lowered_walk(facts: GraphFacts, order: list[fx.Node], kept: set[fx.Node], lowered: LoweredGraph) -> tuple:
+def _lowered_walk(facts: GraphFacts, order: list[fx.Node], kept: set[fx.Node], lowered: LoweredGraph,
+                  rank: dict) -> tuple:
     """What ``walk`` needs of ``order``: its buffers, what each kernel reads,
-    where copied views are written, and the kernel-local values."""
+    where copied views are written, and the kernel-local values. ``rank``:
+    the order Inductor lowers the nodes in."""
     kernel_local: dict[fx.Node, tuple[int, int]] = {}
-    buffers = materialized(facts, order, kept, kernel_local, lowered=lowered)
-    reads = buffer_reads(facts, order, buffers, lowered=lowered)
+    late: dict[fx.Node, int] = {}
+    buffers = materialized(facts, order, kept, kernel_local, lowered=lowered, late=late, rank=rank)
+    reads = buffer_reads(facts, order, buffers, lowered=lowered, late=late, rank=rank)
     return buffers, reads, copy_steps(facts, order, buffers, lowered=lowered), kernel_local

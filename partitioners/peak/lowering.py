@@ -59,15 +59,16 @@ def lower(facts: GraphFacts) -> LoweredGraph:
     on the first call for a graph and setting, then kept on ``facts``."""
     realize_reads = compat.inductor_setting("realize_reads_threshold")
     max_fused = compat.inductor_setting("max_fusion_size")
-    key = (LoweredGraph, realize_reads, max_fused)
+    unroll = compat.inductor_setting("unroll_reductions_threshold")
+    key = (LoweredGraph, realize_reads, max_fused, unroll)
     lowered = facts.derived.get(key)
     if lowered is None:
-        lowered = facts.derived[key] = _build(facts, realize_reads, max_fused)
+        lowered = facts.derived[key] = _build(facts, realize_reads, max_fused, unroll)
     return lowered
 
 
-def _build(facts: GraphFacts, realize_reads: int, max_fused: int) -> LoweredGraph:
-    kinds = {node: value_kind(node, facts) for node in facts.nodes}
+def _build(facts: GraphFacts, realize_reads: int, max_fused: int, unroll: int) -> LoweredGraph:
+    kinds = {node: value_kind(node, facts, unroll) for node in facts.nodes}
     owners = {node: _owner(node, facts, kinds) for node in facts.nodes}
     externs = frozenset(node for node in facts.nodes if _runs_extern(node, facts, kinds[node]))
     workspaces = {node: workspace_bytes(node, facts) for node in externs}

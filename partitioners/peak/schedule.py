@@ -19,7 +19,7 @@ import torch.fx as fx
 
 import ckpt_compat as compat
 from ..classify import GraphFacts
-from .kinds import ALIAS, ALWAYS_WRITTEN, FUSED, NONE, REDUCTIONS, _every_overload, _numel, _shape, aten
+from .kinds import ALIAS, ALWAYS_WRITTEN, FUSED, INLINE, NONE, REDUCTIONS, _every_overload, _numel, _shape, aten
 from .lowering import LoweredGraph, lower
 
 
@@ -174,11 +174,11 @@ def fused_across_externs(facts: GraphFacts, order: list[fx.Node], buffers: set[f
     for later in order:
         if not _fusable(later, buffers, kinds, facts, lowered):
             continue
-        size = _loop_numel(later, facts)
+        size = _loop_numel(later, facts, kinds)
         candidates = [
             earlier for earlier in reads.get(later, ())
             if earlier in position and _fusable(earlier, buffers, kinds, facts, lowered)
-            and _loop_numel(earlier, facts) == size
+            and _loop_numel(earlier, facts, kinds) == size
         ]
         for earlier in sorted(candidates, key=lambda n: (-facts.nodes[n].nbytes, position[n])):
             first = group.get(earlier, position[earlier])
@@ -206,13 +206,15 @@ def _fusable(node: fx.Node, buffers: set[fx.Node], kinds: dict, facts: GraphFact
     return facts.nodes[kernel].category in FUSED and kernel.target not in ALWAYS_WRITTEN
 
 
-def _loop_numel(node: fx.Node, facts: GraphFacts) -> int | tuple | None:
+def _loop_numel(node: fx.Node, facts: GraphFacts, kinds: dict) -> int | tuple | None:
     """The elements a kernel loops over: a reduction's input, else its
     output. A reduction over leading dimensions (a bias gradient's sum over
     tokens) loops in another order, so it is ``("outer", elements)``: it
-    does not fuse with the pointwise kernel it reads."""
+    does not fuse with the pointwise kernel it reads. A reduction Inductor
+    unrolls (``kinds.unrolled_reduction``, INLINE in ``kinds``) is a
+    pointwise kernel over its output."""
     kernel = node.args[0] if node.target is operator.getitem else node
-    if facts.nodes[kernel].category not in REDUCTIONS:
+    if facts.nodes[kernel].category not in REDUCTIONS or kinds.get(kernel) == INLINE:
         return _numel(node)
     source = max(kernel.all_input_nodes, key=lambda arg: _numel(arg) or 0, default=None)
     if source is None:
