@@ -15,7 +15,7 @@ from partitioners.fusion_policy import compile_fx_near_fusion_in_backward
 from partitioners.config import Config, ConfigError, as_config, warn_once
 from partitioners.partition import CkptPartitioner, Outcome
 from partitioners.pytorch_settings import with_pytorch_budgets
-from partitioners.regions import with_frame_prefix
+from partitioners.regions import FramePlace, frame_place, parameter_names, region_keys
 from partitioners.plan import Plan
 from .reports.report import build_report, write_report
 
@@ -52,6 +52,7 @@ class CkptBackend:
         self._config = None if config is None else as_config(config)
         # Held weakly: the backend must not keep a user's model alive.
         self._model = None if model is None else weakref.ref(model)
+        self._names: dict[int, str] = {}
         self.plans: list[Plan] = []
         self.reports: list[dict] = []
 
@@ -74,7 +75,9 @@ class CkptBackend:
             config = with_pytorch_budgets(self.config, gm)
             # Per-module budgets match paths from the model's root, also in
             # a frame that starts inside it (graph breaks, per-block compile).
-            config = with_frame_prefix(config, gm, example_inputs, self._model and self._model())
+            place = self._place(config, gm, example_inputs)
+            if place is not None:
+                config = config.replace(module_prefix=place.prefix)
             patches = inductor_patches(mode, options)
             # Resolved once, before Inductor starts: every plan of this
             # graph (the step view's re-plans too) is for the same bytes.
@@ -85,17 +88,28 @@ class CkptBackend:
             raise CompileTimeConfigError(str(error), inspect.currentframe()) from None
         if config.memory_budget is None or not config.step_planning:
             partitioner = self.make_partitioner(config)
-            return compile_fx_near_fusion_in_backward(
+            compiled = compile_fx_near_fusion_in_backward(
                 gm, example_inputs, config_patches={**patches, PARTITIONER_OPTION: partitioner},
                 uncached=partitioner.uuid() is None,
             )
-        # A budget is the step's: plans are chosen, and re-chosen, by the step view.
-        if config.report_dir is not None:
-            current_step_view().report_dir = config.report_dir
-        planned = PlannedGraph(
-            gm, functools.partial(self._compile_plan, config, patches), config.memory_budget, config.measure_steps
-        )
-        return planned.compile_first(example_inputs)
+        else:
+            # A budget is the step's: plans are chosen, and re-chosen, by the step view.
+            if config.report_dir is not None:
+                current_step_view().report_dir = config.report_dir
+            planned = PlannedGraph(
+                gm, functools.partial(self._compile_plan, config, patches), config.memory_budget, config.measure_steps
+            )
+            compiled = planned.compile_first(example_inputs)
+        return compiled if place is None else _checking_place(compiled, gm, config.memory_budget, place, self._names)
+
+    def _place(self, config: Config, gm, example_inputs) -> FramePlace | None:
+        """Where ``gm``'s frame sits in the model given to make_backend, when
+        per-module budgets need it (None: no model, no regions, not found)."""
+        model = self._model and self._model()
+        if model is None or config.memory_budget is None or not config.memory_budget.regions:
+            return None
+        self._names = parameter_names(model)
+        return frame_place(gm, example_inputs, self._names)
 
     def _compile_plan(self, config: Config, patches: dict, gm, example_inputs, step, sizes, budget, replaces=None):
         """Compile ``gm`` with a plan for ``budget`` in ``step`` at ``sizes``
@@ -202,6 +216,31 @@ def _unknown_option_message(key, name: str, known: set[str]) -> str:
         f"torch.compile(options={{{key!r}: ...}}): {key!r} is not an Inductor option{hint}; "
         "torch._inductor.list_options() lists them (backend='inductor' rejects it too)"
     )
+
+
+def _checking_place(compiled, gm, budget, place: FramePlace, names: dict[int, str]):
+    """``compiled``, warning once when Dynamo runs it for a module at another
+    place whose per-module budgets differ: Dynamo reuses one graph for
+    identical blocks compiled with one backend, so ckpt planned them alike."""
+    seen = {place.prefix}
+    boxed = getattr(compiled, "_boxed_call", False)  # Dynamo then passes one list
+
+    def call(*args):
+        value = (args[0] if boxed else args)[place.index]
+        other = place.of_call(value, names)
+        if other is not None and other not in seen:
+            seen.add(other)
+            if region_keys(gm, budget, other) != region_keys(gm, budget, place.prefix):
+                warn_once(
+                    f"ckpt: one compiled graph runs for {place.prefix or 'the model'!r} and {other!r}, whose "
+                    f"per-module budgets differ; it was planned for {place.prefix or 'the model'!r}. Dynamo "
+                    "shares a graph between identical blocks compiled with one backend: give each such "
+                    "block its own, block.compile(backend=make_backend(..., model=model))"
+                )
+        return compiled(*args)
+
+    call._boxed_call = boxed
+    return call
 
 
 def make_backend(config: Config | Mapping | None = None, *, model: torch.nn.Module | None = None,

@@ -95,7 +95,8 @@ class MemoryBudget:
         if isinstance(value, Mapping):
             return cls._regional(list(value.items()), name, value)
         if isinstance(value, str) and REGION_ASSIGN in value:
-            return cls._regional([_region_entry(entry) for entry in value.split(REGION_SEPARATOR)], name, value)
+            entries = [_region_entry(entry) for entry in value.split(REGION_SEPARATOR) if entry.strip()]
+            return cls._regional(entries, name, value)
         if isinstance(value, bool) or not isinstance(value, (int, float, str)):
             raise ConfigError(f"{name}={value!r} is not a memory budget; use {_BUDGET_FORMS}")
         if isinstance(value, str) and value.strip().lower().startswith(PEAK_PREFIX):
@@ -160,6 +161,11 @@ class MemoryBudget:
                 raise ConfigError(f"{name}={given!r}: module path {key!r} is not a str; {_REGION_FORMS}")
             path = module_path_key(key)
             where = f"{name}[{path!r}]" if path else name
+            if path and not _MODULE_PATH.fullmatch(key.strip()):
+                raise ConfigError(
+                    f"{where}: {key!r} is not a module path (names and indices joined by dots, as "
+                    f"model.named_modules() lists them, e.g. 'language_model.layers.3'); {_REGION_FORMS}"
+                )
             budget = cls.parse(value, where)
             if budget.regional:
                 raise ConfigError(f"{where}={value!r}: a module's budget is one value; {_REGION_FORMS}")
@@ -169,7 +175,8 @@ class MemoryBudget:
                     f"are the whole step's, give them without a module path; {_REGION_FORMS}"
                 )
             if path in regions or (not path and (cap if budget.is_peak else rest) is not None):
-                raise ConfigError(f"{name}={given!r} gives {path or 'the rest of the graph'!r} two budgets; {_REGION_FORMS}")
+                what = repr(path) if path else "the step's cap" if budget.is_peak else "the rest of the graph"
+                raise ConfigError(f"{name}={given!r} gives {what} two budgets; {_REGION_FORMS}")
             if path:
                 regions[path] = budget.fraction
             elif budget.is_peak:
@@ -211,6 +218,7 @@ _REGION_FORMS = (
     "'vision_tower=0.0,language_model.layers=0.5'; an entry without a path (the key '' "
     "in a mapping) is the rest of the graph's fraction or bytes, or a peak: cap on the step"
 )
+_MODULE_PATH = re.compile(r"[A-Za-z_]\w*(\.\w+|\[\d+\])*")  # layers.3.mlp, layers[3].mlp
 _INDEX = re.compile(r"\[['\"]?([^\]'\"]+)['\"]?\]")
 
 

@@ -100,33 +100,54 @@ _FRAME_ROOT = re.compile(r"^L\[['\"][^'\"]*['\"]\]")
 _SOURCE_ATTRIBUTES = re.compile(r"\._(modules|parameters|buffers)(?=\[)")
 
 
-def frame_prefix(gm: fx.GraphModule, example_inputs, model: torch.nn.Module) -> str | None:
-    """Where the module of Dynamo graph ``gm``'s frame sits in ``model``,
-    found through a parameter it reads: ``"text.1"`` for a frame that starts
-    at ``model.text[1]`` (after a graph break inside it, or compiled per
-    block). None: no parameter of ``model`` among the graph's inputs."""
-    names = {id(value): name for name, value in model.named_parameters(remove_duplicate=False)}
-    names.update({id(value): name for name, value in model.named_buffers(remove_duplicate=False)})
-    for node, value in zip(gm.graph.find_nodes(op="placeholder"), example_inputs):
-        full, source = names.get(id(value)), compat.placeholder_source(node)
-        if full is None or source is None:
+@dataclasses.dataclass(frozen=True)
+class FramePlace:
+    """Where a Dynamo graph's frame sits in the model, and how a call tells
+    it: graph input ``index`` is the model's parameter ``prefix.local``."""
+
+    prefix: str
+    index: int
+    local: str
+
+    def of_call(self, value, names: dict[int, str]) -> str | None:
+        """The prefix of the module whose parameter ``value`` is (None: unknown)."""
+        full = names.get(value.data_ptr()) if isinstance(value, torch.Tensor) else None
+        if full is None or not (full == self.local or full.endswith("." + self.local)):
+            return None
+        return full[: -len(self.local)].rstrip(".")
+
+
+def parameter_names(model: torch.nn.Module) -> dict[int, str]:
+    """``data_ptr() -> name`` of the model's parameters and buffers (by
+    address: at run time a graph is handed plain tensors, not the Parameters)."""
+    named = [*model.named_buffers(remove_duplicate=False), *model.named_parameters(remove_duplicate=False)]
+    return {value.data_ptr(): name for name, value in named if value.numel()}
+
+
+def frame_place(gm: fx.GraphModule, example_inputs, names: dict[int, str]) -> FramePlace | None:
+    """Where the module of Dynamo graph ``gm``'s frame sits in the model of
+    ``names`` (parameter_names), found through a parameter it reads:
+    prefix ``"text.1"`` for a frame that starts at ``model.text[1]`` (after
+    a graph break inside it, or compiled per block). None: no parameter of
+    the model among the graph's inputs."""
+    for index, (node, value) in enumerate(zip(gm.graph.find_nodes(op="placeholder"), example_inputs)):
+        source = compat.placeholder_source(node)
+        if source is None or not isinstance(value, torch.Tensor) or value.data_ptr() not in names:
             continue
         local = module_path_key(_SOURCE_ATTRIBUTES.sub("", _FRAME_ROOT.sub("", source)))
-        if full == local:
-            return ""
-        if full.endswith("." + local):
-            return full[: -len(local) - 1]
+        place = FramePlace("", index, local)
+        prefix = place.of_call(value, names)
+        if prefix is not None:
+            return dataclasses.replace(place, prefix=prefix)
     return None
 
 
-def with_frame_prefix(config: Config, gm: fx.GraphModule, example_inputs, model: torch.nn.Module | None) -> Config:
-    """``config`` with the module prefix of ``gm``'s frame in ``model``, when
-    per-module budgets need it and ``model`` is known; else as it is."""
-    budget = config.memory_budget
-    if model is None or budget is None or not budget.regions:
-        return config
-    prefix = frame_prefix(gm, example_inputs, model)
-    return config if prefix is None else config.replace(module_prefix=prefix)
+def region_keys(gm: fx.GraphModule, budget: MemoryBudget, prefix: str) -> tuple[str, ...]:
+    """The regions ``gm``'s ops fall in at ``prefix``: two places with the
+    same keys get the same plan."""
+    return tuple(sorted({
+        region_key_of(node, budget, prefix).key for node in gm.graph.nodes if node.op == "call_function"
+    }))
 
 
 def label_regions(facts: GraphFacts, budget: MemoryBudget, prefix: str = "") -> dict[Region, frozenset[fx.Node]]:
@@ -165,11 +186,23 @@ def solve_regions(
             fits = plan.estimated_peak_bytes <= _planned_peak(cap, context)
             note = f"no plan keeping the regions' preferences fits the cap {cap}: planned for the cap alone"
             warnings.warn(f"ckpt: {note}", stacklevel=3)
+    over = [o for o in outcomes if o.saved_bytes > o.target_bytes]
+    for row in over:
+        warnings.warn(
+            f"ckpt: region {row.key} ({row.budget}) saves {row.saved_bytes} bytes, above the {row.target_bytes} "
+            "it allows: the smallest plan the regions around it leave it; loosen its budget or the "
+            "budgets of the regions next to it",
+            stacklevel=3,
+        )
+    # A fallback to the runtime-optimal plan would break a hard limit:
+    # PyTorch's region budgets and byte budgets get none.
+    hard = any(r.budget is not None and (r.budget.pytorch_meaning or r.budget.nbytes is not None) for r in regions)
     return BudgetSolution.of(
         plan, target_bytes=cap.peak_bytes if cap is not None else plan.saved_bytes,
-        optimal_bytes=optimal.saved_bytes, fits=fits and all(o.saved_bytes <= o.target_bytes for o in outcomes),
+        optimal_bytes=optimal.saved_bytes, fits=fits and not over,
         note=note, cuts=cuts + 1, solve_time_s=time.perf_counter() - start,
-        rungs=(_rung(RUNTIME_OPTIMAL, optimal),) if plan.saved != optimal.saved else (), regions=outcomes,
+        rungs=(_rung(RUNTIME_OPTIMAL, optimal),) if plan.saved != optimal.saved and not hard else (),
+        regions=outcomes,
     )
 
 

@@ -17,7 +17,7 @@ from partitioners.budget import PEAK_MODEL_MARGIN
 from partitioners.config import Config, ConfigError, MemoryBudget
 from partitioners.partition import partition
 from partitioners.pytorch_settings import with_pytorch_budgets
-from partitioners.regions import with_frame_prefix
+from partitioners.regions import frame_place, parameter_names
 
 WIDTH = 64
 
@@ -66,7 +66,10 @@ def plans_of(model, config, x=None, root=None):
     plans = []
 
     def backend(gm, example_inputs):
-        graph_config = with_frame_prefix(with_pytorch_budgets(config, gm), gm, example_inputs, root)
+        graph_config = with_pytorch_budgets(config, gm)
+        place = None if root is None else frame_place(gm, example_inputs, parameter_names(root))
+        if place is not None:
+            graph_config = graph_config.replace(module_prefix=place.prefix)
 
         def partition_fn(joint_gm, joint_inputs, **kwargs):
             result = partition(
@@ -94,6 +97,7 @@ def test_per_module_budgets_parse_from_a_mapping_and_from_the_compact_form():
     assert mapping.regions == (("text", 0.5), ("vision.0", 0.0))
     assert mapping.peak_bytes == 2**30 and mapping.rest is None
     assert MemoryBudget.parse("vision=0,0.25").rest == MemoryBudget(fraction=0.25)
+    assert MemoryBudget.parse("vision=0.0,") == MemoryBudget.parse({"vision": 0.0})  # a trailing comma
 
 
 @pytest.mark.parametrize("bad, says", [
@@ -102,6 +106,9 @@ def test_per_module_budgets_parse_from_a_mapping_and_from_the_compact_form():
     ({"vision": "peak:1GiB"}, "a module's budget is a fraction"),
     ({}, "names no module"),
     ({3: 0.0}, "is not a str"),
+    ("L['self'].vision=0.0", "is not a module path"),
+    ("vision..up=0.0", "is not a module path"),
+    ("vision=0,peak:1GiB,peak:2GiB", "gives the step's cap two budgets"),
 ])
 def test_bad_per_module_budgets_name_the_forms(bad, says):
     with pytest.raises(ConfigError, match=says) as error:
@@ -137,6 +144,7 @@ def test_two_pytorch_regions_in_one_graph_keep_their_own_budgets():
     tight, loose = rows["region_activation_memory_budget(0)"], rows["region_activation_memory_budget(1)"]
     assert tight.saved_bytes <= tight.target_bytes == 0  # PyTorch's meaning: a hard limit
     assert loose.saved_bytes == loose.optimal_bytes
+    assert plan.rungs == ()  # PyTorch's limits are hard: no fallback to the runtime-optimal plan
 
 
 def test_per_block_compile_matches_prefixes_through_the_module_prefix():
@@ -180,6 +188,24 @@ def test_a_graph_break_inside_a_module_finds_its_place_through_the_model():
     found = plans_of(tower, budget, root=tower)
     keys = [[row.key for row in plan.regions] for plan in found]
     assert ["text.0"] in keys and keys.count(["text.1"]) == 2, keys  # text.1's two halves
+
+
+def test_a_prefix_matches_whole_names():
+    blocks = nn.Module()
+    blocks.layers = nn.Sequential(*(Block() for _ in range(11)))
+    blocks.forward = lambda x: blocks.layers(x).mean()
+    (plan,) = plans_of(blocks, Config(memory_budget={"layers.1": 0.0}))
+    assert by_region(plan)["layers.1"].nodes == by_region(plans_of(Tower(), Config(
+        memory_budget={"vision.1": 0.0}))[0])["vision.1"].nodes  # one block, not layers.10 too
+
+
+def test_one_backend_for_identical_blocks_warns_that_they_share_a_plan():
+    tower = Tower()
+    backend = make_backend(strict=True, memory_budget={"vision": 0.0}, model=tower, step_planning=False)
+    for block in [*tower.vision, *tower.text]:
+        block.compile(backend=backend)
+    with pytest.warns(UserWarning, match=r"one compiled graph runs for 'vision\.\d' and 'text\.0', whose per-module"):
+        tower(torch.randn(512, WIDTH)).backward()
 
 
 def test_a_peak_cap_is_the_limit_over_the_preferences():
