@@ -94,7 +94,7 @@ def main(argv=None) -> None:
     print("|---|---|---|---|---|")
     for layout, budget in modes:
         result = run(layout, budget, args)
-        name = {"compile": "torch.compile", None: "ckpt"}.get(budget, f"ckpt, memory_budget={budget}")
+        name = "torch.compile" if budget == "compile" else "ckpt" if budget is None else f"ckpt, memory_budget={budget}"
         if budget == "compile":
             reference[layout] = result["losses"]
         compile_losses = reference.get(layout, reference.get("whole"))

@@ -321,3 +321,17 @@ def test_calibrate_names_the_order_inductor_keeps():
         "keeps graph order")
     assert describe_reorder([("baseline", 3 << 20), ("lpmf", 2 << 20), ("bfs", 2 << 20)]).startswith(
         "reorders (lpmf)")
+
+
+def test_vlm_summary_takes_the_fastest_region_setting_at_or_below_each_uniform_peak():
+    from bench.vlm import summary
+
+    results = {
+        "ckpt+budget=0.0": {"peak_bytes": 100 * 2**20, "step_s": 1.0},
+        "ckpt+budget=0.5": {"peak_bytes": 120 * 2**20, "step_s": 0.9},
+        "ckpt+budget=vision_tower=0.0": {"peak_bytes": 110 * 2**20, "step_s": 0.8},
+        "ckpt+budget=vision_tower=0.0,language_model=0.5": {"peak_bytes": 99 * 2**20, "step_s": 0.95},
+    }
+    rows = {line.split(" | ")[0].strip("| "): line for line in summary(results)[2:]}
+    assert rows["0.0"].endswith("| vision_tower=0.0,language_model=0.5 | 99.00 | 0.950 |")
+    assert rows["0.5"].endswith("| vision_tower=0.0 | 110.00 | 0.889 |")
