@@ -137,7 +137,7 @@ def ladder(budget: MemoryBudget | None) -> tuple[str, ...]:
     budgets and PyTorch's fractions are hard limits: none."""
     if budget is None or budget.nbytes is not None or budget.pytorch_meaning:
         return ()
-    if budget.is_peak or budget.regional:
+    if budget.is_peak:
         return (RUNTIME_OPTIMAL,)
     looser = tuple(str(f) for f in LADDER_FRACTIONS if f > budget.fraction)
     return looser + (RUNTIME_OPTIMAL,) if budget.fraction < 1 else ()
@@ -162,7 +162,7 @@ def solve_with_budget(
     With a step ``context`` (partitioners/step.py), every predicted peak is
     the step's with this graph's plan in it, and a byte budget is the step's
     total, of which this graph gets its share. A regional budget is
-    regions.py's.
+    regions.py's (its rungs too).
     """
     start = time.perf_counter()
     flow = build_flow_graph(facts)  # once: the search's cuts differ in terminal edges only

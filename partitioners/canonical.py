@@ -19,7 +19,8 @@ import torch.fx as fx
 import ckpt_compat as compat
 
 # Dynamo writes module paths as "L['self'].blocks.0.fc".
-_DYNAMO_ROOT = re.compile(r"^L\['[^']*'\]\.?")  # the frame's module, whatever its argument is called
+DYNAMO_ROOT = re.compile(r"^L\[['\"][^'\"]*['\"]\]\.?")
+"""Dynamo's name for the frame's module (``L['self'].``), whatever its argument is called."""
 
 
 def canonical_names(graph: fx.Graph) -> dict[fx.Node, str]:
@@ -44,7 +45,7 @@ def module_path(node: fx.Node) -> str:
     if not stack:
         return "-"
     path, _ = list(stack.values())[-1]
-    return _DYNAMO_ROOT.sub("", path) or "-"
+    return DYNAMO_ROOT.sub("", path) or "-"
 
 
 def op_label(node: fx.Node, *, overload: bool = False) -> str:

@@ -31,7 +31,7 @@ from .budget import (
     RUNTIME_OPTIMAL, BudgetSolution, Scope, _cut_of, _min_cut, _planned_peak, _rung, _Search,
     _solve_for_peak, _target_bytes, _within_fraction_or_bytes,
 )
-from .canonical import module_path
+from .canonical import DYNAMO_ROOT, module_path
 from .classify import GraphFacts, activation_bytes, recomputed_nodes
 from .config import Config, MemoryBudget, module_path_key
 from .cost import DeviceProfile
@@ -96,8 +96,7 @@ def _path(node: fx.Node) -> str:
 
 
 # Dynamo's source of a parameter: L['self']._modules['up']._parameters['weight'].
-_FRAME_ROOT = re.compile(r"^L\[['\"][^'\"]*['\"]\]")
-_SOURCE_ATTRIBUTES = re.compile(r"\._(modules|parameters|buffers)(?=\[)")
+_SOURCE_ATTRIBUTES = re.compile(r"\.?_(modules|parameters|buffers)(?=\[)")  # the root took its dot
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,7 +133,7 @@ def frame_place(gm: fx.GraphModule, example_inputs, names: dict[int, str]) -> Fr
         source = compat.placeholder_source(node)
         if source is None or not isinstance(value, torch.Tensor) or value.data_ptr() not in names:
             continue
-        local = module_path_key(_SOURCE_ATTRIBUTES.sub("", _FRAME_ROOT.sub("", source)))
+        local = module_path_key(_SOURCE_ATTRIBUTES.sub("", DYNAMO_ROOT.sub("", source)))
         place = FramePlace("", index, local)
         prefix = place.of_call(value, names)
         if prefix is not None:
