@@ -193,12 +193,16 @@ def solve_with_budget(
     )
 
 
-def _within_fraction_or_bytes(search: "_Search", budget: MemoryBudget | None, target: int, optimal: _Cut):
+def _within_fraction_or_bytes(search: "_Search", budget: MemoryBudget | None, target: int, optimal: _Cut,
+                              incumbent: _Cut | None = None):
     """The fastest cut saving at most ``target`` bytes, the target, and a
-    note; a ckpt fraction stops at the cut of lowest predicted peak instead."""
+    note; a ckpt fraction stops at the cut of lowest predicted peak instead
+    (``incumbent``, the cut a region had, is one more candidate for it)."""
     if target >= optimal.saved_bytes:  # no budget, or one the fastest plan fits
         return optimal, target, None
     floor = search.lowest_peak(optimal) if budget.fraction is not None and not budget.pytorch_meaning else None
+    if floor is not None and incumbent is not None and _by_peak(incumbent) < _by_peak(floor):
+        floor = incumbent
     if floor is not None and target <= floor.saved_bytes:
         note = _floor_note(budget, floor, search.lowest_peak_saving_less(floor.saved_bytes))
         return floor, floor.saved_bytes, note
@@ -637,7 +641,6 @@ class _Search:
 
     def _cut(self, boundaries, rate: float, keep=()) -> _Cut:
         """The min cut at ``rate``; ``keep`` are heavy ops not to recompute."""
-        self.cuts += 1
         scale = byte_scale(self.facts)
         keep = set(keep)
         price = {
@@ -645,6 +648,12 @@ class _Search:
             for node, seconds in self.runtime.items()
             if node not in keep
         }
+        return self.cut_priced(boundaries, price, rate)
+
+    def cut_priced(self, boundaries, price: Mapping[fx.Node, int], rate: float = 0.0) -> _Cut:
+        """The min cut with the scope's heavy ops at ``price`` (absent: never
+        recomputed) and ``boundaries``: a region's earlier cut, made again."""
+        self.cuts += 1
         held = self.scope or Scope(frozenset())
         saved = _min_cut(self.flow, {**held.price, **price}, held.boundaries | frozenset(boundaries))
         recomputed = frozenset(recomputed_nodes(self.facts, set(saved)) & self.runtime.keys())

@@ -9,8 +9,8 @@ claims is the rest, planned with the budget's rest (runtime-optimal if none).
 
 Regions are searched one at a time in graph order with budget.py's search,
 scoped to the region: its saved bytes, segment boundaries and heavy ops are
-its own, the regions before it are held as they were decided, the ones
-after it at their runtime-optimal cut. A ``peak:`` cap is the limit over the
+its own, the other regions held as last decided (at first, as the graph's
+lowest-peak plan has them), in passes until no region's cut changes. A ``peak:`` cap is the limit over the
 preferences: if the plan's predicted step peak breaks it, every region's
 fraction (the runtime-optimal ones as 1.0) is scaled by TIGHTENING in turn
 until one fits, and if none does, the cap's own plan is used (a warning says
@@ -19,6 +19,7 @@ the preferences were dropped).
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import time
 import warnings
@@ -28,8 +29,8 @@ import torch.fx as fx
 
 import ckpt_compat as compat
 from .budget import (
-    RUNTIME_OPTIMAL, BudgetSolution, Scope, _cut_of, _min_cut, _planned_peak, _rung, _Search,
-    _solve_for_peak, _target_bytes, _within_fraction_or_bytes,
+    RUNTIME_OPTIMAL, BudgetSolution, Scope, _Cut, _cut_of, _min_cut, _planned_peak, _rung, _Search,
+    _solve_for_peak, _target_bytes, _within_fraction_or_bytes, priced_runtimes,
 )
 from .canonical import DYNAMO_ROOT, module_path
 from .classify import GraphFacts, activation_bytes, recomputed_nodes
@@ -43,6 +44,9 @@ REST = ""
 # Under a peak: cap the preferences are scaled by these factors in turn, so
 # the regions keep their order of tightness while the plan comes down.
 TIGHTENING = (0.5, 0.25, 0.0)
+# Regions are planned again with the others as last decided until no cut
+# changes: two passes settle the bench's models, a third catches a late move.
+PASSES = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,13 +169,16 @@ def solve_regions(
     """The plan where each region keeps its own budget, under the cap if any."""
     start = time.perf_counter()
     flow = build_flow_graph(facts)
-    optimal = _Search(flow, profile, context).optimal()
-    plan, outcomes, cuts = _preferred(flow, regions, profile, context, scale=1.0)
+    whole = _Search(flow, profile, context)
+    optimal = whole.optimal()
+    lowest = whole.lowest_peak(optimal)
+    plan, outcomes, cuts = _preferred(flow, regions, profile, context, 1.0, lowest)
+    cuts += whole.cuts
     fits, note = True, None
     cap = budget.cap
     if cap is not None and plan.estimated_peak_bytes > _planned_peak(cap, context):
         for scale in TIGHTENING:
-            plan, outcomes, more = _preferred(flow, regions, profile, context, scale)
+            plan, outcomes, more = _preferred(flow, regions, profile, context, scale, lowest)
             cuts += more
             if plan.estimated_peak_bytes <= _planned_peak(cap, context):
                 note = f"the regions' fractions were scaled by {scale:g} to fit the cap {cap}"
@@ -205,30 +212,55 @@ def solve_regions(
     )
 
 
-def _preferred(flow, regions, profile, context, scale: float):
+def _preferred(flow, regions, profile, context, scale: float, start: _Cut):
     """Each region's cut for its budget with fractions times ``scale``
-    (runtime-optimal regions as 1.0), in graph order: the whole plan, the
-    outcomes, and the cuts made."""
-    price, boundaries, cuts = {}, frozenset(), 0
-    asked, notes = {}, {}
-    optimal_of = {}
-    for region, nodes in regions.items():
-        budget = _scaled(region.budget, scale)
-        search = _Search(flow, profile, context, Scope(nodes, dict(price), boundaries))
-        own = search.optimal()
-        optimal_of[region] = own.saved_bytes
-        target = _target_bytes(budget, own.saved_bytes, context)
-        cut, target, notes[region] = _within_fraction_or_bytes(search, budget, target, own)
-        asked[region] = target
-        price.update(cut.price)
-        boundaries |= cut.boundaries
-        cuts += search.cuts + 1
+    (runtime-optimal regions as 1.0): the whole plan, the outcomes, and the
+    cuts made.
+
+    Every region starts held at its part of ``start`` (the graph's
+    lowest-peak cut), then each is planned in graph order with the others
+    held as last decided, in passes until no region's cut changes (at most
+    PASSES). Starting from the runtime-optimal plan instead, a tight region
+    planned first can only lower the peak by recomputing all of itself,
+    after which no other region's recomputation lowers it: the regions at
+    0.0 then peak above one uniform 0.0, and a looser region's fraction
+    changes nothing. A region's floor is its lowest-peak cut or the one it
+    had, whichever predicts the lower peak."""
+    held = {region: _part_of(start, nodes) for region, nodes in regions.items()}
+    cuts = 0
+    for _ in range(PASSES):
+        before = dict(held)
+        asked, notes, optimal_of = {}, {}, {}
+        for region, nodes in regions.items():
+            others = [part for other, part in held.items() if other != region]
+            price = {node: p for own_price, _ in others for node, p in own_price.items()}
+            search = _Search(flow, profile, context, Scope(nodes, price, frozenset().union(*(b for _, b in others))))
+            own = search.optimal()
+            optimal_of[region] = own.saved_bytes
+            budget = _scaled(region.budget, scale)
+            target = _target_bytes(budget, own.saved_bytes, context)
+            had = search.cut_priced(held[region][1], held[region][0])
+            cut, asked[region], notes[region] = _within_fraction_or_bytes(search, budget, target, own, had)
+            held[region] = (dict(cut.price), cut.boundaries)
+            cuts += search.cuts + 1
+        if held == before:
+            break
+    price = {node: p for own_price, _ in held.values() for node, p in own_price.items()}
+    boundaries = frozenset().union(*(b for _, b in held.values()))
     saved = _min_cut(flow, price, boundaries)
-    heavy = frozenset(price)
-    recomputed = frozenset(recomputed_nodes(flow.facts, set(saved)) & heavy)
-    plan = _cut_of(flow.facts, saved, context, boundaries=boundaries, priced_recomputed=recomputed, price=price)
+    runtime = priced_runtimes(flow.facts, profile)
+    recomputed = frozenset(recomputed_nodes(flow.facts, set(saved)) & price.keys())
+    plan = _cut_of(
+        flow.facts, saved, context, boundaries=boundaries, priced_recomputed=recomputed, price=price,
+        recompute_time_s=math.fsum(runtime[node] for node in recomputed),
+    )
     outcomes = _outcomes(flow.facts, regions, plan, notes, optimal_of, asked, scale)
     return plan, outcomes, cuts
+
+
+def _part_of(cut: _Cut, nodes: frozenset[fx.Node]) -> tuple[dict, frozenset]:
+    """The prices and boundaries of ``cut`` within a region's ``nodes``."""
+    return {node: p for node, p in cut.price.items() if node in nodes}, cut.boundaries & nodes
 
 
 def _scaled(budget: MemoryBudget | None, scale: float) -> MemoryBudget | None:
