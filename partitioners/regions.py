@@ -10,8 +10,9 @@ claims is the rest, planned with the budget's rest (runtime-optimal if none).
 Regions are searched one at a time in graph order with budget.py's search,
 scoped to the region: its saved bytes, segment boundaries and heavy ops are
 its own, the other regions held as last decided (at first, as the graph's
-lowest-peak plan has them), in passes until no region's cut changes. A ``peak:`` cap is the limit over the
-preferences: if the plan's predicted step peak breaks it, every region's
+lowest-peak plan has them), in passes until no region's cut changes. A
+``peak:`` cap is the limit over the preferences: if the plan's predicted
+step peak breaks it, every region's
 fraction (the runtime-optimal ones as 1.0) is scaled by TIGHTENING in turn
 until one fits, and if none does, the cap's own plan is used (a warning says
 the preferences were dropped).
@@ -30,7 +31,7 @@ import torch.fx as fx
 import ckpt_compat as compat
 from .budget import (
     RUNTIME_OPTIMAL, BudgetSolution, Scope, _Cut, _cut_of, _min_cut, _planned_peak, _rung, _Search,
-    _solve_for_peak, _target_bytes, _within_fraction_or_bytes, priced_runtimes,
+    _solve_for_peak, _target_bytes, _within_fraction_or_bytes,
 )
 from .canonical import DYNAMO_ROOT, module_path
 from .classify import GraphFacts, activation_bytes, recomputed_nodes
@@ -172,13 +173,13 @@ def solve_regions(
     whole = _Search(flow, profile, context)
     optimal = whole.optimal()
     lowest = whole.lowest_peak(optimal)
-    plan, outcomes, cuts = _preferred(flow, regions, profile, context, 1.0, lowest)
+    plan, outcomes, cuts = _preferred(whole, regions, 1.0, lowest)
     cuts += whole.cuts
     fits, note = True, None
     cap = budget.cap
     if cap is not None and plan.estimated_peak_bytes > _planned_peak(cap, context):
         for scale in TIGHTENING:
-            plan, outcomes, more = _preferred(flow, regions, profile, context, scale, lowest)
+            plan, outcomes, more = _preferred(whole, regions, scale, lowest)
             cuts += more
             if plan.estimated_peak_bytes <= _planned_peak(cap, context):
                 note = f"the regions' fractions were scaled by {scale:g} to fit the cap {cap}"
@@ -212,7 +213,7 @@ def solve_regions(
     )
 
 
-def _preferred(flow, regions, profile, context, scale: float, start: _Cut):
+def _preferred(whole: _Search, regions, scale: float, start: _Cut):
     """Each region's cut for its budget with fractions times ``scale``
     (runtime-optimal regions as 1.0): the whole plan, the outcomes, and the
     cuts made.
@@ -226,15 +227,15 @@ def _preferred(flow, regions, profile, context, scale: float, start: _Cut):
     0.0 then peak above one uniform 0.0, and a looser region's fraction
     changes nothing. A region's floor is its lowest-peak cut or the one it
     had, whichever predicts the lower peak."""
+    flow, context = whole.flow, whole.context
     held = {region: _part_of(start, nodes) for region, nodes in regions.items()}
     cuts = 0
     for _ in range(PASSES):
         before = dict(held)
         asked, notes, optimal_of = {}, {}, {}
         for region, nodes in regions.items():
-            others = [part for other, part in held.items() if other != region]
-            price = {node: p for own_price, _ in others for node, p in own_price.items()}
-            search = _Search(flow, profile, context, Scope(nodes, price, frozenset().union(*(b for _, b in others))))
+            price, boundaries = _joined(part for other, part in held.items() if other != region)
+            search = _Search(flow, whole.profile, context, Scope(nodes, price, boundaries))
             own = search.optimal()
             optimal_of[region] = own.saved_bytes
             budget = _scaled(region.budget, scale)
@@ -245,14 +246,12 @@ def _preferred(flow, regions, profile, context, scale: float, start: _Cut):
             cuts += search.cuts + 1
         if held == before:
             break
-    price = {node: p for own_price, _ in held.values() for node, p in own_price.items()}
-    boundaries = frozenset().union(*(b for _, b in held.values()))
+    price, boundaries = _joined(held.values())
     saved = _min_cut(flow, price, boundaries)
-    runtime = priced_runtimes(flow.facts, profile)
     recomputed = frozenset(recomputed_nodes(flow.facts, set(saved)) & price.keys())
     plan = _cut_of(
         flow.facts, saved, context, boundaries=boundaries, priced_recomputed=recomputed, price=price,
-        recompute_time_s=math.fsum(runtime[node] for node in recomputed),
+        recompute_time_s=math.fsum(whole.runtime[node] for node in recomputed),
     )
     outcomes = _outcomes(flow.facts, regions, plan, notes, optimal_of, asked, scale)
     return plan, outcomes, cuts
@@ -261,6 +260,15 @@ def _preferred(flow, regions, profile, context, scale: float, start: _Cut):
 def _part_of(cut: _Cut, nodes: frozenset[fx.Node]) -> tuple[dict, frozenset]:
     """The prices and boundaries of ``cut`` within a region's ``nodes``."""
     return {node: p for node, p in cut.price.items() if node in nodes}, cut.boundaries & nodes
+
+
+def _joined(parts) -> tuple[dict, frozenset]:
+    """The prices and boundaries of several regions' parts, as one."""
+    price, boundaries = {}, frozenset()
+    for own_price, own_boundaries in parts:
+        price.update(own_price)
+        boundaries |= own_boundaries
+    return price, boundaries
 
 
 def _scaled(budget: MemoryBudget | None, scale: float) -> MemoryBudget | None:
