@@ -42,7 +42,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import ckpt_compat as compat
 from partitioners.budget import rung_budget
-from partitioners.config import MemoryBudget
+from partitioners.config import MemoryBudget, warn_once
 from partitioners.plan import Plan
 from partitioners.rank_sync import largest_on_all_ranks
 from partitioners.step import GraphCost, StepContext, predicted_step_peak, step_context
@@ -238,6 +238,8 @@ class StepView:
             return
         (sequence, ran, meter, wanted, below_plan, end_ns), self._ended = self._ended, None
         self.steps += 1
+        if sequence not in self.sequences:
+            self._warn_unmatched_regions(sequence)
         state = self.sequences.setdefault(sequence, _Sequence())
         for key in set(sequence):
             self.last_sequence[key] = sequence
@@ -260,6 +262,19 @@ class StepView:
                     Measurement(self.steps, _sequence_id(sequence), predicted, measured, False, state.rung)
                 )
         self._write_report()
+
+    def _warn_unmatched_regions(self, sequence: tuple[str, ...]) -> None:
+        """Warn once for a per-module budget that no graph of the step has a
+        module of: a path that names nothing would otherwise change nothing."""
+        asked = {key for k in set(sequence) if self.budgets.get(k) is not None for key, _ in self.budgets[k].regions}
+        found = {row.key for k in set(sequence) if k in self.plans for row in self.plans[k].regions}
+        for key in sorted(asked - found - {""}):
+            warn_once(
+                f"ckpt: the per-module budget for {key!r} matched no module in this step's compiled graphs, "
+                "so it changed nothing. Paths are those of model.named_modules() from the compiled module "
+                "(e.g. 'model.layers.0'); a block compiled on its own names paths from itself unless "
+                "make_backend(model=model) or module_prefix says where it sits"
+            )
 
     def _judge(self, sequence: tuple[str, ...], state: _Sequence, measured: int, planned_for_it: bool) -> None:
         """Correct the model by the measured ratio where the step needs plans

@@ -18,9 +18,12 @@ import torch.fx as fx
 
 import ckpt_compat as compat
 
-# Dynamo writes module paths as "L['self'].blocks.0.fc".
-DYNAMO_ROOT = re.compile(r"^L\[['\"][^'\"]*['\"]\]\.?")
-"""Dynamo's name for the frame's module (``L['self'].``), whatever its argument is called."""
+# Dynamo writes module paths as "L['self'].blocks.0.fc"; where the frame is
+# a wrapper of forward (transformers decorates its models' forward), the
+# module is the wrapper's first argument: "L['args'][0].model.layers.0".
+DYNAMO_ROOT = re.compile(r"^L\[['\"](?:args['\"]\]\[0\]|[^'\"]*['\"]\])\.?")
+"""Dynamo's name for the frame's module (``L['self'].``, ``L['args'][0].``),
+whatever its argument is called."""
 
 
 def canonical_names(graph: fx.Graph) -> dict[fx.Node, str]:
@@ -44,7 +47,10 @@ def module_path(node: fx.Node) -> str:
     stack = compat.module_stack(node)
     if not stack:
         return "-"
-    path, _ = list(stack.values())[-1]
+    paths = [path for path, _ in stack.values()]
+    # A function transformers registers as a kernel (``G[...].apply_rotary_pos_emb``)
+    # enters the stack too: the node is the frame's module's.
+    path = next((p for p in reversed(paths) if DYNAMO_ROOT.match(p)), paths[-1])
     return DYNAMO_ROOT.sub("", path) or "-"
 
 

@@ -218,3 +218,26 @@ def test_a_declared_bound_is_planned_for_once():
     (key,) = step_view.current().plans
     assert key.endswith("=128"), key
     assert step_view.current().recompiles == 0
+
+
+def test_a_peak_cap_over_per_module_budgets_holds_for_the_step():
+    """Per-module budgets are preferences, the step's cap the limit: on a
+    transformers model compiled whole (its forward is a wrapper, so Dynamo's
+    paths start at ``L['args'][0]``), the layers' budgets are found by their
+    named_modules() paths, the cap tightens them, the measured step stays
+    under it; a path naming no module warns instead of changing nothing."""
+    batches = _tokens(5)
+    eager = _qwen()
+    eager.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    _, checkpointed = _train(eager, eager, batches)
+    torch._dynamo.reset()
+    cap = int(checkpointed * 1.05)
+    model = _qwen()
+    budget = {"model.layers.0": 0.0, "model.layers.1": 0.5, "model.layers.7": 0.0, "": f"peak:{cap}"}
+    backend = make_backend(strict=True, memory_budget=budget)
+    with pytest.warns(UserWarning, match=r"budget for 'model\.layers\.7' matched no module"):
+        _, peak = _train(model, torch.compile(model, backend=backend), batches)
+    (plan,) = backend.plans
+    assert {row.key for row in plan.regions} == {"model.layers.0", "model.layers.1", "(rest)"}
+    assert "cap" in plan.budget_note, plan.budget_note
+    assert peak <= 1.03 * cap, (peak, cap)
