@@ -35,6 +35,10 @@ REGIONAL = (
     "vision_tower=0.0,language_model=0.5",
     "vision_tower=0.0,language_model=0.25",
     "vision_tower=0.25,language_model=0.5",
+    "vision_tower=0.25,language_model=0.75",
+    "vision_tower=0.5,language_model=0.75",
+    "vision_tower=0.25",
+    "vision_tower=0.5",
     "language_model=0.0",
 )
 ALL_MODES = (

@@ -194,15 +194,17 @@ def solve_with_budget(
 
 
 def _within_fraction_or_bytes(search: "_Search", budget: MemoryBudget | None, target: int, optimal: _Cut,
-                              incumbent: _Cut | None = None):
+                              incumbent=None):
     """The fastest cut saving at most ``target`` bytes, the target, and a
     note; a ckpt fraction stops at the cut of lowest predicted peak instead
-    (``incumbent``, the cut a region had, is one more candidate for it)."""
+    (``incumbent()``, making the cut a region had, is one more candidate for
+    it; made only when needed)."""
     if target >= optimal.saved_bytes:  # no budget, or one the fastest plan fits
         return optimal, target, None
     floor = search.lowest_peak(optimal) if budget.fraction is not None and not budget.pytorch_meaning else None
-    if floor is not None and incumbent is not None and _by_peak(incumbent) < _by_peak(floor):
-        floor = incumbent
+    if floor is not None and incumbent is not None:
+        had = incumbent()
+        floor = had if _by_peak(had) < _by_peak(floor) else floor
     if floor is not None and target <= floor.saved_bytes:
         note = _floor_note(budget, floor, search.lowest_peak_saving_less(floor.saved_bytes))
         return floor, floor.saved_bytes, note

@@ -20,6 +20,7 @@ the preferences were dropped).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 import time
@@ -240,7 +241,7 @@ def _preferred(whole: _Search, regions, scale: float, start: _Cut):
             optimal_of[region] = own.saved_bytes
             budget = _scaled(region.budget, scale)
             target = _target_bytes(budget, own.saved_bytes, context)
-            had = search.cut_priced(held[region][1], held[region][0])
+            had = functools.partial(search.cut_priced, held[region][1], held[region][0])
             cut, asked[region], notes[region] = _within_fraction_or_bytes(search, budget, target, own, had)
             held[region] = (dict(cut.price), cut.boundaries)
             cuts += search.cuts + 1
@@ -282,17 +283,19 @@ def _scaled(budget: MemoryBudget | None, scale: float) -> MemoryBudget | None:
 
 
 def _outcomes(facts, regions, plan, notes, optimal_of, asked, scale: float = 1.0) -> tuple[RegionOutcome, ...]:
-    return tuple(
-        RegionOutcome(
-            key=region.key or "(rest)",
-            budget=str(_scaled(region.budget, scale) or "runtime-optimal"),
-            nodes=len(nodes),
-            optimal_bytes=optimal_of[region],
-            target_bytes=asked[region],
-            saved_bytes=activation_bytes(facts, [n for n in plan.saved if n in nodes]),
-            saved=tuple(n.name for n in facts.nodes if n in nodes and n in plan.saved),
-            recomputed_heavy=tuple(n.name for n in facts.nodes if n in plan.priced_recomputed and n in nodes),
-            note=notes.get(region),
-        )
-        for region, nodes in regions.items()
+    return tuple(_outcome(facts, region, nodes, plan, notes, optimal_of, asked, scale) for region, nodes in regions.items())
+
+
+def _outcome(facts, region, nodes, plan, notes, optimal_of, asked, scale: float) -> RegionOutcome:
+    saved = [n for n in facts.nodes if n in nodes and n in plan.saved]  # in graph order
+    return RegionOutcome(
+        key=region.key or "(rest)",
+        budget=str(_scaled(region.budget, scale) or "runtime-optimal"),
+        nodes=len(nodes),
+        optimal_bytes=optimal_of[region],
+        target_bytes=asked[region],
+        saved_bytes=activation_bytes(facts, saved),
+        saved=tuple(n.name for n in saved),
+        recomputed_heavy=tuple(n.name for n in facts.nodes if n in plan.priced_recomputed and n in nodes),
+        note=notes.get(region),
     )
