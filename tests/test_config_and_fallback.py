@@ -203,3 +203,21 @@ def test_bad_mode_and_option_types_get_inductors_error():
         inductor_patches(None, {"max_autotune": "yes"})
     with pytest.raises(ConfigError, match=r"ckpt is the partitioner and sets it itself"):
         inductor_patches(None, {"custom_partitioner_fn": None})
+
+
+@pytest.mark.parametrize(
+    "budget, options, unroll",
+    [(None, None, None), ("0.0", None, 1), ("0.0", {"unroll_reductions_threshold": 4}, 4)],
+    ids=["no budget", "budget", "user's option"],
+)
+def test_a_budget_compiles_without_unrolled_reductions_unless_the_user_says(monkeypatch, budget, options, unroll):
+    """Under a budget Inductor must not unroll small reductions (they are
+    inlined into a later consumer and hold their input alive); without one,
+    ckpt compiles as torch.compile does; the user's own option wins."""
+    patches = _spy_on_inductor(monkeypatch)
+    torch._dynamo.reset()
+    backend = make_backend(Config(), strict=True, memory_budget=budget, step_planning=False)
+    torch.compile(MLP(depth=2, width=16), backend=backend, options=options)(torch.randn(8, 16)).backward()
+    torch._dynamo.reset()
+    (patch,) = patches
+    assert patch.get("unroll_reductions_threshold") == unroll
