@@ -283,7 +283,9 @@ def _scaled(budget: MemoryBudget | None, scale: float) -> MemoryBudget | None:
 
 
 def _outcomes(facts, regions, plan, notes, optimal_of, asked, scale: float = 1.0) -> tuple[RegionOutcome, ...]:
-    return tuple(_outcome(facts, region, nodes, plan, notes, optimal_of, asked, scale) for region, nodes in regions.items())
+    return tuple(
+        _outcome(facts, region, nodes, plan, notes, optimal_of, asked, scale) for region, nodes in regions.items()
+    )
 
 
 def _outcome(facts, region, nodes, plan, notes, optimal_of, asked, scale: float) -> RegionOutcome:
