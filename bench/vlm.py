@@ -37,7 +37,9 @@ REGIONAL = (
     "vision_tower=0.25,language_model=0.5",
     "vision_tower=0.25,language_model=0.75",
     "vision_tower=0.5,language_model=0.75",
+    "vision_tower=0.5,language_model=0.9",
     "vision_tower=0.25",
+    "vision_tower=0.4",
     "vision_tower=0.5",
     "language_model=0.0",
 )
