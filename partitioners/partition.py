@@ -79,6 +79,8 @@ def partition(
 
 def _decide(joint_gm, num_fwd_outputs, static_lifetime_input_indices, config: Config, step=None):
     run_passes(joint_passes.BEFORE_DECIDING, joint_gm)  # in place: joint_gm is the cleaned graph
+    if config.memory_budget is not None:
+        run_passes(joint_passes.UNDER_A_BUDGET, joint_gm)
     facts = classify(
         joint_gm,
         num_fwd_outputs=num_fwd_outputs,

@@ -1,10 +1,11 @@
 """Rewrites of the joint graph before ckpt decides what to save.
 
-Both work in place and return the same module: Inductor's joint graph object
+Each works in place and returns the same module: Inductor's joint graph object
 stays the one that is partitioned (by ckpt, or by PyTorch on a fallback).
 """
 from __future__ import annotations
 
+import torch
 import torch.fx as fx
 
 import ckpt_compat as compat
@@ -29,3 +30,67 @@ def eliminate_common_subexpressions(gm: fx.GraphModule) -> fx.GraphModule:
 
 BEFORE_DECIDING = (eliminate_dead_code, eliminate_common_subexpressions)
 """What partitioners/partition.py runs on the joint graph, in this order."""
+
+
+# Ops that run as kernels of their own (extern kernels in Inductor): a
+# matmul folded past one of them holds its operands while it runs.
+_HEAVY = frozenset({
+    "mm", "bmm", "addmm", "baddbmm", "convolution", "convolution_backward",
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward",
+    "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_efficient_attention_backward",
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_cudnn_attention_backward",
+})
+
+
+def unfold_late_matmul_adds(gm: fx.GraphModule) -> fx.GraphModule:
+    """Writes ``add(mm(a, b), c)`` as ``c - (-mm(a, b))`` (the same sum)
+    where another heavy op runs between the mm and the add. Inductor folds
+    the add into ``addmm(c, a, b)`` run at the add (torch/_inductor/
+    fx_passes/post_grad.py ``addmm``), so ``a`` and ``b`` stay alive until
+    ``c`` is ready: a tied weight's gradient held the 2 MiB logits gradient
+    through Gemma's whole backward (``python -m bench.calibrate gemma
+    --budget 0.0``). Unfolded, the mm runs where it stands and frees them."""
+    position = {node: i for i, node in enumerate(gm.graph.nodes)}
+    heavy = [position[n] for n in gm.graph.nodes if _is_heavy(n)]
+    changed = False
+    for add in list(gm.graph.nodes):
+        if add.target is not torch.ops.aten.add.Tensor or add.kwargs.get("alpha", 1) != 1 or len(add.args) != 2:
+            continue
+        for matmul, other in ((add.args[1], add.args[0]), (add.args[0], add.args[1])):
+            if not _late_fold(matmul, other, add, position, heavy):
+                continue
+            with gm.graph.inserting_before(add):
+                negated = gm.graph.call_function(torch.ops.aten.neg.default, (matmul,))
+                difference = gm.graph.call_function(torch.ops.aten.sub.Tensor, (other, negated))
+            negated.meta = {**matmul.meta}
+            difference.meta = {**add.meta}
+            add.replace_all_uses_with(difference)
+            gm.graph.erase_node(add)
+            changed = True
+            break
+    if changed:
+        gm.recompile()
+    return gm
+
+
+def _is_heavy(node: fx.Node) -> bool:
+    packet = getattr(node.target, "overloadpacket", None)
+    return node.op == "call_function" and getattr(packet, "__name__", None) in _HEAVY
+
+
+def _late_fold(matmul, other, add: fx.Node, position: dict, heavy: list[int]) -> bool:
+    """Whether Inductor would fold ``matmul`` into ``add`` past a heavy op,
+    holding an operand that is not a graph input (inputs are alive anyway)."""
+    if not (isinstance(matmul, fx.Node) and isinstance(other, fx.Node)
+            and matmul.target is torch.ops.aten.mm.default and len(matmul.users) == 1):
+        return False
+    if all(operand.op == "placeholder" for operand in matmul.args if isinstance(operand, fx.Node)):
+        return False
+    start, end = position[matmul], position[add]
+    return any(start < at < end for at in heavy)
+
+
+UNDER_A_BUDGET = (unfold_late_matmul_adds,)
+"""What partitioners/partition.py runs on the joint graph after
+``BEFORE_DECIDING`` when a memory budget is set."""

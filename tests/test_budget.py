@@ -439,3 +439,41 @@ def test_one_layer_qwen3_at_fraction_zero_keeps_the_lowest_peak_plan_and_says_wh
     # rate of the lowest-peak family between them and the optimal plan) ...
     assert smaller_saved < saved
     assert smaller_peak > peak  # ... but the lowest peak among them is higher
+
+
+class _TiedLM(torch.nn.Module):
+    """Embedding and head share one weight: its gradient is the head's mm
+    plus the embedding's, which backward reaches last."""
+
+    def __init__(self, vocab=64, width=32):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, width)
+        self.mix = torch.nn.Linear(width, width)
+        self.head = torch.nn.Linear(width, vocab, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens):
+        return self.head(torch.tanh(self.mix(self.embed(tokens))))
+
+
+def test_a_tied_weights_gradient_is_not_folded_into_a_late_addmm_under_a_budget():
+    """Folded, the head's mm would wait for the embedding's gradient, holding
+    the logits' gradient through backward (passes/joint.py)."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch.manual_seed(0)
+    model, tokens = _TiedLM(), torch.randint(0, 64, (2, 8))
+    grads, backward_addmms = [], []
+    for budget in (None, 0.0):
+        torch._dynamo.reset()
+        model.zero_grad()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            _, (_, backward_code) = run_and_get_code(
+                lambda: torch.compile(model, backend=make_backend(memory_budget=budget))(tokens).square().sum().backward()
+            )
+        backward_addmms.append(backward_code.count("addmm("))
+        grads.append([p.grad.clone() for p in model.parameters()])
+    assert backward_addmms == [1, 0]
+    for got, want in zip(grads[1], grads[0]):
+        assert torch.equal(got, want)  # the same sum, bit for bit

@@ -99,3 +99,39 @@ def test_run_passes_applies_them_in_order():
 
     gm = _backward_with_early_recompute()
     assert run_passes((first, second), gm) is gm and seen == ["first", "second"]
+
+
+def _weight_gradient_graph(*, heavy_between: bool, from_inputs: bool = False) -> fx.GraphModule:
+    """A tied weight's gradient as backward leaves it: ``mm`` (one use) plus
+    another gradient ``c``, itself computed by an mm before or after it."""
+    graph = fx.Graph()
+    grad_out, hidden, other = (graph.placeholder(name) for name in ("tangents_1", "hidden", "other"))
+    operand = grad_out if from_inputs else _call(graph, "mul", aten.mul.Tensor, grad_out, 2.0)
+    if not heavy_between:
+        c = _call(graph, "mm_1", aten.mm.default, other, hidden)
+    matmul = _call(graph, "mm", aten.mm.default, operand, hidden)
+    if heavy_between:
+        c = _call(graph, "mm_1", aten.mm.default, other, hidden)
+    graph.output((_call(graph, "add", aten.add.Tensor, matmul, c),))
+    return fx.GraphModule(torch.nn.Module(), graph)
+
+
+def _weight_gradient_inputs():
+    return torch.randn(3, 4), torch.randn(4, 5), torch.randn(3, 4)
+
+
+def test_a_matmul_whose_add_waits_past_another_matmul_is_unfolded():
+    gm = _weight_gradient_graph(heavy_between=True)
+    inputs = _weight_gradient_inputs()
+    expected = gm(*inputs)[0]
+    assert joint.unfold_late_matmul_adds(gm) is gm
+    ops = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert aten.add.Tensor not in ops and aten.sub.Tensor in ops and aten.neg.default in ops
+    assert torch.equal(gm(*inputs)[0], expected)  # c - (-m) is c + m, bit for bit
+
+
+def test_adjacent_adds_and_adds_of_input_products_stay():
+    for gm in (_weight_gradient_graph(heavy_between=False),
+               _weight_gradient_graph(heavy_between=True, from_inputs=True)):
+        code = gm.code
+        assert joint.unfold_late_matmul_adds(gm).code == code
