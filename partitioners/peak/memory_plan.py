@@ -9,6 +9,8 @@ import operator
 
 import torch.fx as fx
 
+import ckpt_compat as compat
+
 from ..classify import GraphFacts
 from .kinds import ALIAS, FUSED, INLINE, _every_overload, aten
 from .lowering import LoweredGraph, lower
@@ -73,6 +75,8 @@ def reuse_pool(facts: GraphFacts, estimate: list[int], written: list[list[fx.Nod
     in place, and the MLP's buffers freed before the attention backward are
     held for the next layer's.
     """
+    if not compat.inductor_setting("allow_buffer_reuse"):
+        return []
     lowered = lowered or lower(facts)
     ceiling = max(estimate, default=0)
     run_end = run_end or list(range(len(estimate)))
