@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import pathlib
+import warnings
 from collections.abc import Callable
 
 import torch.fx as fx
@@ -79,8 +80,13 @@ def partition(
 
 def _decide(joint_gm, num_fwd_outputs, static_lifetime_input_indices, config: Config, step=None):
     run_passes(joint_passes.BEFORE_DECIDING, joint_gm)  # in place: joint_gm is the cleaned graph
-    if config.memory_budget is not None:
-        run_passes(joint_passes.UNDER_A_BUDGET, joint_gm)
+    solve = functools.partial(_solve, joint_gm, num_fwd_outputs, static_lifetime_input_indices, config, step)
+    if config.memory_budget is None:
+        return solve()
+    return _unfolded_where_lower(joint_gm, solve)
+
+
+def _solve(joint_gm, num_fwd_outputs, static_lifetime_input_indices, config: Config, step=None):
     facts = classify(
         joint_gm,
         num_fwd_outputs=num_fwd_outputs,
@@ -94,6 +100,43 @@ def _decide(joint_gm, num_fwd_outputs, static_lifetime_input_indices, config: Co
         regions = label_regions(facts, budget, config.module_prefix)
         return facts, solve_regions(facts, budget, regions, profile, step)
     return facts, solve_with_budget(facts, budget, profile, step)
+
+
+def _unfolded_where_lower(joint_gm, solve):
+    """Under a budget, the plan for the graph with late matmul adds unfolded
+    (passes/joint.py) where it fits where the folded one does not, or the
+    peak model predicts it lower; otherwise the graph Inductor folds, whose
+    sums round as torch.compile's do (T5's tied embedding: no lower, and
+    unfolded its losses were 1.5e-6 off torch.compile's)."""
+    folded, said = _solve_quietly(solve)
+    if not joint_passes.unfolded_adds(joint_passes.unfold_late_matmul_adds(joint_gm)):
+        return _repeat(said, folded)
+    unfolded, said_unfolded = _solve_quietly(solve)
+    (_, plan), (_, unfolded_plan) = folded, unfolded
+    if (unfolded_plan.fits, plan.fits) == (True, False) or (
+        unfolded_plan.fits == plan.fits
+        and unfolded_plan.estimated_peak_bytes < plan.estimated_peak_bytes * (1 - UNFOLDING_GAIN)
+    ):
+        return _repeat(said_unfolded, unfolded)
+    joint_passes.refold_matmul_adds(joint_gm)
+    return _repeat(said, folded)
+
+
+# Below this predicted gain a sum keeps addmm's rounding (torch.compile's).
+UNFOLDING_GAIN = 0.01
+
+
+def _solve_quietly(solve):
+    """``solve()`` and the warnings it gave, held back until a plan is chosen."""
+    with warnings.catch_warnings(record=True) as said:
+        result = solve()
+    return result, said
+
+
+def _repeat(said, result):
+    for warning in said:
+        warnings.warn(warning.message, warning.category, stacklevel=4)
+    return result
 
 
 def _plan(facts, saved, solution, config: Config, step: StepContext | None) -> Plan:

@@ -2,7 +2,8 @@
 function whose docstring says what it changes:
 
 - joint.py: on the joint graph, before ckpt decides (dead code, common
-  subexpressions), so each value is decided once;
+  subexpressions), so each value is decided once; and, under a budget,
+  the late matmul adds partitioners/partition.py may unfold and refold;
 - partitioned.py: on the forward and backward graphs extracted from a Plan
   (recomputed nodes moved to their first use, getitems, RNG state).
 

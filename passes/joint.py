@@ -44,13 +44,15 @@ _HEAVY = frozenset({
 
 
 def unfold_late_matmul_adds(gm: fx.GraphModule) -> fx.GraphModule:
-    """Writes ``add(mm(a, b), c)`` as ``c - (-mm(a, b))`` (the same sum)
-    where another heavy op runs between the mm and the add. Inductor folds
-    the add into ``addmm(c, a, b)`` run at the add (torch/_inductor/
+    """Writes ``add(mm(a, b), c)`` as ``sub(c, neg(mm(a, b)))`` (the same
+    sum) where another heavy op runs between the mm and the add. Inductor
+    folds the add into ``addmm(c, a, b)`` run at the add (torch/_inductor/
     fx_passes/post_grad.py ``addmm``), so ``a`` and ``b`` stay alive until
     ``c`` is ready: a tied weight's gradient held the 2 MiB logits gradient
     through Gemma's whole backward (``python -m bench.calibrate gemma
-    --budget 0.0``). Unfolded, the mm runs where it stands and frees them."""
+    --budget 0.0``). Unfolded, the mm runs where it stands and frees them.
+    The add node itself becomes the sub (``refold_matmul_adds`` undoes it):
+    the sum is rounded as eager rounds it, not as addmm does."""
     position = {node: i for i, node in enumerate(gm.graph.nodes)}
     heavy = [position[n] for n in gm.graph.nodes if _is_heavy(n)]
     changed = False
@@ -62,16 +64,36 @@ def unfold_late_matmul_adds(gm: fx.GraphModule) -> fx.GraphModule:
                 continue
             with gm.graph.inserting_before(add):
                 negated = gm.graph.call_function(torch.ops.aten.neg.default, (matmul,))
-                difference = gm.graph.call_function(torch.ops.aten.sub.Tensor, (other, negated))
             negated.meta = {**matmul.meta}
-            difference.meta = {**add.meta}
-            add.replace_all_uses_with(difference)
-            gm.graph.erase_node(add)
+            add.meta[_UNFOLDED] = add.args
+            add.target, add.args = torch.ops.aten.sub.Tensor, (other, negated)
             changed = True
             break
     if changed:
         gm.recompile()
     return gm
+
+
+def refold_matmul_adds(gm: fx.GraphModule) -> fx.GraphModule:
+    """Undoes ``unfold_late_matmul_adds``: the graph is again the one it was given."""
+    changed = False
+    for node in list(gm.graph.nodes):
+        if _UNFOLDED in node.meta:
+            negated = node.args[1]
+            node.target, node.args = torch.ops.aten.add.Tensor, node.meta.pop(_UNFOLDED)
+            gm.graph.erase_node(negated)
+            changed = True
+    if changed:
+        gm.recompile()
+    return gm
+
+
+def unfolded_adds(gm: fx.GraphModule) -> list[fx.Node]:
+    """The adds ``unfold_late_matmul_adds`` rewrote."""
+    return [node for node in gm.graph.nodes if _UNFOLDED in node.meta]
+
+
+_UNFOLDED = "ckpt_unfolded_add"  # node.meta key: the add's own args
 
 
 def _is_heavy(node: fx.Node) -> bool:
@@ -91,6 +113,3 @@ def _late_fold(matmul, other, add: fx.Node, position: dict, heavy: list[int]) ->
     return any(start < at < end for at in heavy)
 
 
-UNDER_A_BUDGET = (unfold_late_matmul_adds,)
-"""What partitioners/partition.py runs on the joint graph after
-``BEFORE_DECIDING`` when a memory budget is set."""

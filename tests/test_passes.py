@@ -120,14 +120,16 @@ def _weight_gradient_inputs():
     return torch.randn(3, 4), torch.randn(4, 5), torch.randn(3, 4)
 
 
-def test_a_matmul_whose_add_waits_past_another_matmul_is_unfolded():
+def test_a_matmul_whose_add_waits_past_another_matmul_is_unfolded_and_refolded():
     gm = _weight_gradient_graph(heavy_between=True)
-    inputs = _weight_gradient_inputs()
+    inputs, code = _weight_gradient_inputs(), gm.code
     expected = gm(*inputs)[0]
     assert joint.unfold_late_matmul_adds(gm) is gm
     ops = [n.target for n in gm.graph.nodes if n.op == "call_function"]
     assert aten.add.Tensor not in ops and aten.sub.Tensor in ops and aten.neg.default in ops
+    assert [n.name for n in joint.unfolded_adds(gm)] == ["add"]
     assert torch.equal(gm(*inputs)[0], expected)  # c - (-m) is c + m, bit for bit
+    assert joint.refold_matmul_adds(gm) is gm and gm.code == code and not joint.unfolded_adds(gm)
 
 
 def test_adjacent_adds_and_adds_of_input_products_stay():
