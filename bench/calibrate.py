@@ -29,6 +29,7 @@ from bench.measure import memory_events, peak_of, quiet_native_stderr
 from bench.modes import parse_mode
 from bench.peak_model import cases
 from bench.report import MiB
+from ckpt.backend import BUDGET_INDUCTOR_SETTINGS
 from partitioners import peak
 
 
@@ -143,6 +144,13 @@ def predicted_backward(part, top: int = 12) -> None:
         tangent = buffer.op == "placeholder" and buffer not in facts.inputs
         role = "saved" if buffer in held else "gradient" if buffer in gradients else "tangent" if tangent else ""
         print(f"    {facts.nodes[buffer].nbytes / MiB:8.3f} MiB  {buffer.name} {role}")
+    first_node, _, first_alive, _ = trace[0]
+    before = set(first_alive) - {first_node}  # what the walk started with: saved values, tangents
+    # Net by size, as the measured phase's own: a saved value freed cancels one made of its size.
+    made = collections.Counter(facts.nodes[b].nbytes for b in alive if b not in before)
+    made.subtract(facts.nodes[b].nbytes for b in before - alive)
+    print("  buffers the model holds then, made in backward less saved ones freed (as the measured phase's own):")
+    _print_sizes(+made)
 
 
 def calibrate(case, budget: str | None, show_code: bool = False, inductor: dict | None = None) -> None:
@@ -171,12 +179,20 @@ def calibrate(case, budget: str | None, show_code: bool = False, inductor: dict 
             print(f"  Inductor graph {i} (in compile order: forward, then backward): {describe_reorder(estimates)}")
     print(f"  measured forward {forward.peak_bytes / MiB:.2f} MiB, live after forward {forward.end_bytes / MiB:.2f}, "
           f"backward {(forward.end_bytes + backward.peak_bytes) / MiB:.2f} (from the step's start)")
-    for part in parts:
-        predicted_backward(part)
+    # The walk reads Inductor's settings: those the graphs compiled with.
+    settings = {**(BUDGET_INDUCTOR_SETTINGS if budget is not None else {}), **(inductor or {})}
+    with torch._inductor.config.patch(settings):
+        for part in parts:
+            predicted_backward(part)
     for name, phase in (("forward", forward), ("backward", backward)):
         print(f"  {name} peak reached in {phase.op_at_peak}; buffers alive then (phase's own):")
-        for size, count in sorted(phase.live_at_peak.items(), key=lambda kv: -kv[0] * kv[1])[:12]:
-            print(f"    {count:3d} x {size / MiB:8.3f} MiB")
+        _print_sizes(phase.live_at_peak)
+
+
+def _print_sizes(sizes: collections.Counter, top: int = 12) -> None:
+    """Buffer sizes, the most bytes first."""
+    for size, count in sorted(sizes.items(), key=lambda kv: -kv[0] * kv[1])[:top]:
+        print(f"    {count:3d} x {size / MiB:8.3f} MiB")
 
 
 @contextlib.contextmanager
