@@ -13,7 +13,7 @@ from partitioners.config import Config
 from partitioners.ops import OpCategory
 from partitioners.peak import (
     backward_schedule, buffer_reads, copied_views, estimate_step_peak, fused_across_externs, inductor_estimate,
-    lower, materialized, mm_at_its_add,
+    kernel_order, lower, materialized, mm_at_its_add,
     reuse_pool, walk, workspace_bytes,
 )
 
@@ -406,6 +406,53 @@ def test_a_kernel_fuses_with_an_earlier_one_it_reads_across_extern_kernels():
 def test_no_fusion_when_the_matmul_between_reads_the_earlier_kernel():
     fused, order, _ = _fusion_case(extern_reads_first=True)
     assert fused is order  # fusing would make a cycle through the matmul
+
+
+def test_a_matmul_lowered_before_a_group_fused_across_externs_runs_before_it():
+    # GPT-NeoX's parallel block, small: a weight gradient's matmul (mm)
+    # whose output no kernel of the run after it reads, then a reduction
+    # (sum) that fuses with a later one (sum_1) across another matmul.
+    # kernel_order runs mm after the run that follows it; Inductor sorts
+    # fused kernels by the step they were first lowered at, so mm, lowered
+    # before the group, runs before it, not after both reductions.
+    def f(x, w1, w2):
+        e = x.cos() @ w1
+        p1 = (x.sin() * x).sum(-1, keepdim=True)
+        p2 = ((x.tanh() @ w2) * p1).sum(-1)
+        return (e.sum() + p2.sum()).reshape(1)
+
+    result, _ = aot_partition(f, leaf(64, 64), leaf(64, 64), leaf(64, 64))
+    facts = result.facts
+    lowering = [n for n in facts.nodes if n in facts.forward]
+    rank = {node: step for step, node in enumerate(lowering)}
+    order = kernel_order(facts, lowering)
+    kept = facts.saved_storages({n for n in facts.nodes if n.name in set(result.plan.saved)})
+    buffers = materialized(facts, order, kept)
+    reads = buffer_reads(facts, order, buffers)
+    n = {node.name: node for node in lowering}
+    assert order.index(n["mm"]) > order.index(n["sum_1"])  # deferred past the run after it
+    fused = fused_across_externs(facts, order, buffers, reads, rank=rank)
+    position = {node: step for step, node in enumerate(fused)}
+    assert position[n["mm"]] < position[n["mm_1"]] < position[n["sum_1"]] < position[n["sum_2"]]
+    # Without the lowering order, the group's first step decides: mm after it.
+    unranked = fused_across_externs(facts, order, buffers, reads)
+    assert unranked.index(n["mm"]) > unranked.index(n["sum_1"])
+
+
+def test_a_slice_scattered_into_zeros_is_computed_inside_its_reader():
+    # Inductor lowers slice_scatter to a pointwise where() over its base:
+    # neither the zeros nor the scatter gets a buffer (partial rotary's
+    # backward); the cos that a matmul reads is written.
+    def f(x, w):
+        scattered = torch.zeros(64, 64).slice_scatter(x[:, :32].sin(), dim=1, start=32)
+        return (scattered.cos() @ w).sum()
+
+    result, _ = aot_partition(f, leaf(64, 64), leaf(64, 64))
+    facts, saved, buffers = _forward_buffers(result)
+    scatter = [n.name for n in facts.nodes if n.target is torch.ops.aten.slice_scatter.default]
+    zeros = [n.name for n in facts.nodes if n.target in (torch.ops.aten.full.default, torch.ops.aten.zeros.default)]
+    assert scatter and zeros and not set(scatter + zeros) & set(buffers)
+    assert "cos" in buffers
 
 
 def test_a_pointwise_kernel_overwrites_the_buffer_it_loads_first():

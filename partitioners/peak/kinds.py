@@ -38,10 +38,13 @@ REDUCTIONS = frozenset({OpCategory.REDUCTION, OpCategory.SHRINKING_REDUCTION})
 FUSED = INLINABLE | FUSED_BUFFER | REDUCTIONS
 
 # Data movement Inductor lowers to a kernel writing a buffer (a scatter into
-# a fresh buffer, a concatenation), not to an inlinable expression.
+# a fresh buffer, a concatenation), not to an inlinable expression. Not
+# slice_scatter and select_scatter: Inductor lowers them to a pointwise
+# ``where`` over their base (torch/_inductor/lowering.py), so partial
+# rotary's backward, slices scattered into zeros, is computed inside the
+# kernel that reads it (GPT-NeoX).
 ALWAYS_WRITTEN = _every_overload(
-    aten.cat, aten.index_put, aten.scatter, aten.scatter_add,
-    aten.slice_scatter, aten.select_scatter, aten.embedding_dense_backward
+    aten.cat, aten.index_put, aten.scatter, aten.scatter_add, aten.embedding_dense_backward
 )
 
 # torch/_inductor/ir.py should_realize_on_reuse: ops Inductor will not repeat

@@ -90,7 +90,7 @@ def walk(facts: GraphFacts, order: list[fx.Node], kept: set[fx.Node],
     rank = {node: step for step, node in enumerate(lowering)}
     order = kernel_order(facts, lowering, lowered=lowered)
     buffers, reads, copies, kernel_local = _lowered_walk(facts, order, kept, lowered, rank)
-    fused = fused_across_externs(facts, order, buffers, reads, lowered=lowered)
+    fused = fused_across_externs(facts, order, buffers, reads, lowered=lowered, rank=rank)
     if fused is not order:  # kernels fused across extern kernels: lower again
         order = fused
         buffers, reads, copies, kernel_local = _lowered_walk(facts, order, kept, lowered, rank)

@@ -149,7 +149,8 @@ def _run_ends(order: list[fx.Node], lowered: LoweredGraph) -> list[int]:
 
 
 def fused_across_externs(facts: GraphFacts, order: list[fx.Node], buffers: set[fx.Node],
-                         reads: dict, *, lowered: LoweredGraph | None = None) -> list[fx.Node]:
+                         reads: dict, *, lowered: LoweredGraph | None = None,
+                         rank: dict | None = None) -> list[fx.Node]:
     """``order`` as Inductor's scheduler runs it after fusing a kernel with an
     earlier one it reads across extern kernels (vertical fusion has no
     distance limit): the fused kernel runs where the earlier one was, and
@@ -159,8 +160,9 @@ def fused_across_externs(facts: GraphFacts, order: list[fx.Node], buffers: set[f
     the recomputed dropout draws, the dropout, and its backward and the
     softmax backward are one kernel, run after the ``grad @ v.T`` matmul and
     before the recomputed ``attn @ v``; and on the MoE, a recomputed
-    LayerNorm fuses with its backward. Returns ``order`` itself when nothing
-    fuses."""
+    LayerNorm fuses with its backward. ``rank`` is the order Inductor
+    lowered the nodes in (``order`` itself when not given). Returns
+    ``order`` itself when nothing fuses."""
     lowered = lowered or lower(facts)
     kinds = lowered.kinds
     position = {node: step for step, node in enumerate(order)}
@@ -194,7 +196,7 @@ def fused_across_externs(facts: GraphFacts, order: list[fx.Node], buffers: set[f
             break
     if not crossed:  # fusions inside one run of kernels change nothing here
         return order
-    return _grouped_order(order, group, teams, position)
+    return _grouped_order(order, group, teams, position, rank or position)
 
 
 def _fusable(node: fx.Node, buffers: set[fx.Node], kinds: dict, facts: GraphFacts, lowered: LoweredGraph) -> bool:
@@ -247,9 +249,15 @@ def _fusion_cycle(later: fx.Node, members: set[fx.Node], first: int, position: d
 
 
 def _grouped_order(order: list[fx.Node], group: dict[fx.Node, int], teams: dict[int, list[fx.Node]],
-                   position: dict) -> list[fx.Node]:
+                   position: dict, rank: dict) -> list[fx.Node]:
     """Inductor's topological sort of its fused nodes by first step: a group
-    runs at its first member's step, after whatever its members need."""
+    runs at its first member's step, after whatever its members need. Its
+    sort key is the step each node was lowered at (``rank``), so an extern
+    kernel ``kernel_order`` put after a run of kernels runs before a group
+    whose first member was lowered after it: the run left for the later
+    kernel it fused with (GPT-NeoX's parallel block: the MLP's weight
+    gradient runs before the attention backward, not after both
+    LayerNorms' fused backward)."""
     placed: set[fx.Node] = set()
     result: list[fx.Node] = []
 
@@ -261,6 +269,10 @@ def _grouped_order(order: list[fx.Node], group: dict[fx.Node, int], teams: dict[
             continue
         if node in group:
             team = sorted(teams[group[node]], key=position.__getitem__)
+            lowered_first = rank[team[0]]
+            for earlier in sorted((n for n in order if n not in placed and rank[n] < lowered_first),
+                                  key=rank.__getitem__):
+                place(earlier)  # lowered before the group: it cannot need the group
             for needed in _outside_needs(team, placed, position):
                 place(needed)  # first what the group needs from outside it
             for member in team:
