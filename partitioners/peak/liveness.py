@@ -13,7 +13,7 @@ from .buffers import buffer_reads, materialized
 from .layouts import copy_steps, relaid_contiguous
 from .lowering import LoweredGraph, lower, owner
 from .memory_plan import _in_place_donor, _tuple_outputs, inductor_estimate, reuse_pool
-from .schedule import _run_ends, backward_schedule, fused_across_externs, kernel_order, mm_at_its_add
+from .schedule import _loop_numel, _run_ends, backward_schedule, fused_across_externs, kernel_order, mm_at_its_add
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,9 +97,11 @@ def walk(facts: GraphFacts, order: list[fx.Node], kept: set[fx.Node],
     copied = {copy for written in copies.values() for copy in written}
     relaid = relaid_contiguous(facts, order, kept, lowered=lowered)
     last_read: dict[fx.Node, int] = {}
+    read_at: dict[fx.Node, list[int]] = {}
     for step, node in enumerate(order):
         for buffer in reads.get(node, ()) if node not in copied else ():
             last_read[buffer] = step
+            read_at.setdefault(buffer, []).append(step)
         for copy in copies.get(step, ()):  # a copy reads its base where it is written
             for buffer in reads[copy]:
                 last_read[buffer] = max(last_read.get(buffer, step), step)
@@ -107,6 +109,10 @@ def walk(facts: GraphFacts, order: list[fx.Node], kept: set[fx.Node],
     for buffer, step in last_read.items():
         if buffer not in kept:
             frees.setdefault(step, []).append(buffer)
+    run_end = _run_ends(order, lowered)
+    run_first = [0] * len(order)  # per step, the first step of its run
+    for step in range(1, len(order)):
+        run_first[step] = step if run_end[step - 1] == step - 1 else run_first[step - 1]
     alive = set(start) - facts.free_inputs
     live = start_bytes = sum(facts.nodes[b].nbytes for b in alive)
     curve, donations, workspace, written, freed, alive_at = [], [], [], [], [], []
@@ -118,7 +124,9 @@ def walk(facts: GraphFacts, order: list[fx.Node], kept: set[fx.Node],
             alive.add(copy)  # Inductor's channels-last copy of an input
             live += facts.nodes[copy].nbytes
         if node in buffers and node not in alive and node not in copied:
-            donor = _in_place_donor(node, reads.get(node, ()), step, last_read, alive, kept, relaid, facts, lowered)
+            donor = _in_place_donor(node, reads.get(node, ()), step, last_read, alive, kept, relaid, facts, lowered,
+                                    shared=lambda buffer: _read_by_a_sibling(buffer, step, order, read_at, run_first,
+                                                                             facts, lowered))
             if donor is not None:  # the kernel writes into a buffer it reads for the last time
                 alive.discard(donor)
                 live -= facts.nodes[donor].nbytes
@@ -146,7 +154,6 @@ def walk(facts: GraphFacts, order: list[fx.Node], kept: set[fx.Node],
             alive.discard(buffer)
             live -= facts.nodes[buffer].nbytes
         freed.append(gone)
-    run_end = _run_ends(order, lowered)
     estimate = inductor_estimate(facts, order, curve, donations, freed, kernel_local, start, run_end, lowered=lowered)
     held = reuse_pool(facts, estimate, written, freed, run_end, lowered=lowered)
     for buffer, first, last in held:
@@ -158,6 +165,32 @@ def walk(facts: GraphFacts, order: list[fx.Node], kept: set[fx.Node],
     if trace is not None:
         trace.extend(zip(order, running, alive_at, estimate))
     return max([start_bytes, *running])
+
+
+def _read_by_a_sibling(buffer: fx.Node, step: int, order: list[fx.Node], read_at: dict, run_first: list[int],
+                       facts: GraphFacts, lowered: LoweredGraph) -> bool:
+    """Whether a kernel fused with ``order[step]``'s (earlier in its run,
+    looping over as many elements) reads ``buffer`` and is not one the step
+    depends on. Inductor counts that reader as a remaining use and does not
+    overwrite ``buffer`` in place (scheduler.py ``decide_inplace_update``:
+    one remaining use, ancestors excepted). Gemma's GeGLU backward: the
+    gradients through the gate and through the up projection are two
+    outputs of one kernel that both read the down projection's input
+    gradient, and neither overwrites it."""
+    node, kinds = order[step], lowered.kinds
+    first = run_first[step]
+    siblings = [order[s] for s in read_at.get(buffer, ()) if first <= s < step
+                and _loop_numel(order[s], facts, kinds) == _loop_numel(node, facts, kinds)]
+    if not siblings:
+        return False
+    inside = set(order[first:step])
+    ancestors, stack = set(), [arg for arg in node.all_input_nodes if arg in inside]
+    while stack:
+        arg = stack.pop()
+        if arg not in ancestors:
+            ancestors.add(arg)
+            stack.extend(a for a in arg.all_input_nodes if a in inside)
+    return any(sibling not in ancestors for sibling in siblings)
 
 
 def _lowered_walk(facts: GraphFacts, order: list[fx.Node], kept: set[fx.Node], lowered: LoweredGraph,

@@ -128,7 +128,8 @@ def _tuple_outputs(node: fx.Node, buffers: set[fx.Node]) -> set[fx.Node]:
     return {user for user in node.users if user.target is operator.getitem and user in buffers}
 
 
-def _in_place_donor(node, reads, step, last_read, alive, kept, relaid, facts, lowered) -> fx.Node | None:
+def _in_place_donor(node, reads, step, last_read, alive, kept, relaid, facts, lowered,
+                    shared=lambda buffer: False) -> fx.Node | None:
     """A buffer a pointwise kernel may overwrite with its output: read for the
     last time by this kernel, not kept, of the same size (Inductor's in-place
     buffer reuse; in backward, saved values are donated buffers), and laid
@@ -136,7 +137,8 @@ def _in_place_donor(node, reads, step, last_read, alive, kept, relaid, facts, lo
     reads it at the index it writes (scheduler.py ``SchedulerNode.can_inplace``:
     ``read_dep.index == write_dep.index``), which fails when one of the two
     is written contiguous where eager's strides were not (``relaid``, from
-    ``relaid_contiguous``)."""
+    ``relaid_contiguous``), and only where no other kernel fused with this
+    one reads it too (``shared``)."""
     if lowered.kinds[node] != INLINE:
         return None
     size = facts.nodes[node].nbytes
@@ -144,7 +146,7 @@ def _in_place_donor(node, reads, step, last_read, alive, kept, relaid, facts, lo
         buffer for buffer in reads
         if buffer in alive and buffer not in kept and last_read.get(buffer) == step
         and facts.nodes[buffer].nbytes == size and buffer not in facts.inputs
-        and (buffer in relaid) == (node in relaid)
+        and (buffer in relaid) == (node in relaid) and not shared(buffer)
     ]
     if len(candidates) < 2:
         return candidates[0] if candidates else None
