@@ -408,20 +408,23 @@ def test_no_fusion_when_the_matmul_between_reads_the_earlier_kernel():
     assert fused is order  # fusing would make a cycle through the matmul
 
 
-def test_a_matmul_lowered_before_a_group_fused_across_externs_runs_before_it():
+@pytest.mark.parametrize("rows, runs_first", [(32, True), (64, False)])
+def test_a_matmul_lowered_before_a_group_fused_across_externs_runs_before_it(rows, runs_first):
     # GPT-NeoX's parallel block, small: a weight gradient's matmul (mm)
     # whose output no kernel of the run after it reads, then a reduction
     # (sum) that fuses with a later one (sum_1) across another matmul.
     # kernel_order runs mm after the run that follows it; Inductor sorts
     # fused kernels by the step they were first lowered at, so mm, lowered
-    # before the group, runs before it, not after both reductions.
-    def f(x, w1, w2):
-        e = x.cos() @ w1
+    # before the group, runs before it, not after both reductions. Unless
+    # sum may fuse with the kernel before mm (cos, when it loops over as
+    # many elements: rows 64): then the group runs there, before mm.
+    def f(x, z, w1, w2):
+        e = z.cos() @ w1
         p1 = (x.sin() * x).sum(-1, keepdim=True)
         p2 = ((x.tanh() @ w2) * p1).sum(-1)
         return (e.sum() + p2.sum()).reshape(1)
 
-    result, _ = aot_partition(f, leaf(64, 64), leaf(64, 64), leaf(64, 64))
+    result, _ = aot_partition(f, leaf(64, 64), leaf(rows, 64), leaf(64, 64), leaf(64, 64))
     facts = result.facts
     lowering = [n for n in facts.nodes if n in facts.forward]
     rank = {node: step for step, node in enumerate(lowering)}
@@ -433,7 +436,8 @@ def test_a_matmul_lowered_before_a_group_fused_across_externs_runs_before_it():
     assert order.index(n["mm"]) > order.index(n["sum_1"])  # deferred past the run after it
     fused = fused_across_externs(facts, order, buffers, reads, rank=rank)
     position = {node: step for step, node in enumerate(fused)}
-    assert position[n["mm"]] < position[n["mm_1"]] < position[n["sum_1"]] < position[n["sum_2"]]
+    assert position[n["mm_1"]] < position[n["sum_1"]] < position[n["sum_2"]]
+    assert (position[n["mm"]] < position[n["sum_1"]]) == runs_first
     # Without the lowering order, the group's first step decides: mm after it.
     unranked = fused_across_externs(facts, order, buffers, reads)
     assert unranked.index(n["mm"]) > unranked.index(n["sum_1"])

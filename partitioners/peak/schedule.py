@@ -196,7 +196,31 @@ def fused_across_externs(facts: GraphFacts, order: list[fx.Node], buffers: set[f
             break
     if not crossed:  # fusions inside one run of kernels change nothing here
         return order
-    return _grouped_order(order, group, teams, position, rank or position)
+    rank = rank or position
+    lowering = sorted(order, key=rank.__getitem__)
+    apart = {first for first, members in teams.items()
+             if not _joins_the_run_before(members[0], lowering, rank, buffers, facts, lowered)}
+    return _grouped_order(order, group, teams, position, rank, apart)
+
+
+def _joins_the_run_before(node: fx.Node, lowering: list[fx.Node], rank: dict, buffers: set[fx.Node],
+                          facts: GraphFacts, lowered: LoweredGraph) -> bool:
+    """Whether ``node``'s kernel may fuse with a kernel of the run lowered
+    before the extern kernels lowered just before it (one it loops as
+    many elements as): then it runs before those extern kernels, as
+    ``kernel_order`` has it."""
+    kinds, step = lowered.kinds, rank[node] - 1
+    while step >= 0 and lowering[step] not in lowered.externs:
+        step -= 1  # back over node's own run
+    while step >= 0 and (lowering[step] in lowered.externs or kinds[lowering[step]] in (ALIAS, NONE)):
+        step -= 1  # over the extern kernels and their views
+    size = _loop_numel(node, facts, kinds)
+    while step >= 0 and lowering[step] not in lowered.externs:
+        earlier = lowering[step]
+        if _fusable(earlier, buffers, kinds, facts, lowered) and _loop_numel(earlier, facts, kinds) == size:
+            return True
+        step -= 1
+    return False
 
 
 def _fusable(node: fx.Node, buffers: set[fx.Node], kinds: dict, facts: GraphFacts, lowered: LoweredGraph) -> bool:
@@ -249,15 +273,16 @@ def _fusion_cycle(later: fx.Node, members: set[fx.Node], first: int, position: d
 
 
 def _grouped_order(order: list[fx.Node], group: dict[fx.Node, int], teams: dict[int, list[fx.Node]],
-                   position: dict, rank: dict) -> list[fx.Node]:
+                   position: dict, rank: dict, apart: set[int]) -> list[fx.Node]:
     """Inductor's topological sort of its fused nodes by first step: a group
     runs at its first member's step, after whatever its members need. Its
     sort key is the step each node was lowered at (``rank``), so an extern
     kernel ``kernel_order`` put after a run of kernels runs before a group
-    whose first member was lowered after it: the run left for the later
-    kernel it fused with (GPT-NeoX's parallel block: the MLP's weight
-    gradient runs before the attention backward, not after both
-    LayerNorms' fused backward)."""
+    whose first member was lowered after it, when that member does not
+    fuse with the run before the extern kernel (``apart``, by the group's
+    first step): the run left for the later kernel it fused with
+    (GPT-NeoX's parallel block: the MLP's weight gradient runs before the
+    attention backward, not after both LayerNorms' fused backward)."""
     placed: set[fx.Node] = set()
     result: list[fx.Node] = []
 
@@ -269,7 +294,7 @@ def _grouped_order(order: list[fx.Node], group: dict[fx.Node, int], teams: dict[
             continue
         if node in group:
             team = sorted(teams[group[node]], key=position.__getitem__)
-            lowered_first = rank[team[0]]
+            lowered_first = rank[team[0]] if group[node] in apart else -1
             for earlier in sorted((n for n in order if n not in placed and rank[n] < lowered_first),
                                   key=rank.__getitem__):
                 place(earlier)  # lowered before the group: it cannot need the group
