@@ -408,23 +408,23 @@ def test_no_fusion_when_the_matmul_between_reads_the_earlier_kernel():
     assert fused is order  # fusing would make a cycle through the matmul
 
 
-@pytest.mark.parametrize("rows, runs_first", [(32, True), (64, False)])
-def test_a_matmul_lowered_before_a_group_fused_across_externs_runs_before_it(rows, runs_first):
+@pytest.mark.parametrize("shares_x, runs_first", [(False, True), (True, False)])
+def test_a_matmul_lowered_before_a_group_fused_across_externs_runs_before_it(shares_x, runs_first):
     # GPT-NeoX's parallel block, small: a weight gradient's matmul (mm)
     # whose output no kernel of the run after it reads, then a reduction
     # (sum) that fuses with a later one (sum_1) across another matmul.
     # kernel_order runs mm after the run that follows it; Inductor sorts
     # fused kernels by the step they were first lowered at, so mm, lowered
     # before the group, runs before it, not after both reductions. Unless
-    # sum may fuse with the kernel before mm (cos, when it loops over as
-    # many elements: rows 64): then the group runs there, before mm.
+    # sum may fuse with the kernel before mm (cos, when it reads x too and
+    # loops over as many elements): then the group runs there, before mm.
     def f(x, z, w1, w2):
-        e = z.cos() @ w1
+        e = (x if shares_x else z).cos() @ w1
         p1 = (x.sin() * x).sum(-1, keepdim=True)
         p2 = ((x.tanh() @ w2) * p1).sum(-1)
         return (e.sum() + p2.sum()).reshape(1)
 
-    result, _ = aot_partition(f, leaf(64, 64), leaf(rows, 64), leaf(64, 64), leaf(64, 64))
+    result, _ = aot_partition(f, leaf(64, 64), leaf(64, 64), leaf(64, 64), leaf(64, 64))
     facts = result.facts
     lowering = [n for n in facts.nodes if n in facts.forward]
     rank = {node: step for step, node in enumerate(lowering)}

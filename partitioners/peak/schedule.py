@@ -199,25 +199,29 @@ def fused_across_externs(facts: GraphFacts, order: list[fx.Node], buffers: set[f
     rank = rank or position
     lowering = sorted(order, key=rank.__getitem__)
     apart = {first for first, members in teams.items()
-             if not _joins_the_run_before(members[0], lowering, rank, buffers, facts, lowered)}
+             if not _joins_the_run_before(members[0], lowering, rank, buffers, reads, facts, lowered)}
     return _grouped_order(order, group, teams, position, rank, apart)
 
 
 def _joins_the_run_before(node: fx.Node, lowering: list[fx.Node], rank: dict, buffers: set[fx.Node],
-                          facts: GraphFacts, lowered: LoweredGraph) -> bool:
+                          reads: dict, facts: GraphFacts, lowered: LoweredGraph) -> bool:
     """Whether ``node``'s kernel may fuse with a kernel of the run lowered
     before the extern kernels lowered just before it (one it loops as
-    many elements as): then it runs before those extern kernels, as
-    ``kernel_order`` has it."""
+    many elements as, and reads or shares a full-size read with): then
+    it runs before those extern kernels, as ``kernel_order`` has it."""
     kinds, step = lowered.kinds, rank[node] - 1
     while step >= 0 and lowering[step] not in lowered.externs:
         step -= 1  # back over node's own run
     while step >= 0 and (lowering[step] in lowered.externs or kinds[lowering[step]] in (ALIAS, NONE)):
         step -= 1  # over the extern kernels and their views
     size = _loop_numel(node, facts, kinds)
+    elements = size[1] if isinstance(size, tuple) else size
+    # What it reads in full: a shared small weight (a LayerNorm's) does not make a fusion.
+    mine = {b for b in reads.get(node, ()) if (_numel(b) or 0) >= (elements or 0)}
     while step >= 0 and lowering[step] not in lowered.externs:
         earlier = lowering[step]
-        if _fusable(earlier, buffers, kinds, facts, lowered) and _loop_numel(earlier, facts, kinds) == size:
+        if _fusable(earlier, buffers, kinds, facts, lowered) and _loop_numel(earlier, facts, kinds) == size \
+                and (earlier in mine or mine & set(reads.get(earlier, ()))):
             return True
         step -= 1
     return False
