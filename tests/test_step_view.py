@@ -232,7 +232,10 @@ def test_a_peak_cap_over_per_module_budgets_holds_for_the_step():
     batches = _tokens(5)
     checkpointed = _checkpointed_peak(batches)
     torch._dynamo.reset()
-    cap = checkpointed  # below what the layers' budgets alone plan for, above the lowest plan
+    # Below what the layers' budgets alone plan for, above the lowest plan:
+    # with partial rotary's scatters inline in the peak model (2026-12-06)
+    # the regional plan fits under per-layer checkpointing's peak itself.
+    cap = int(0.9 * checkpointed)
     model = _qwen()
     budget = {"model.layers.0": 0.0, "model.layers.1": 0.5, "model.layers.7": 0.0, "": f"peak:{cap}"}
     backend = make_backend(strict=True, memory_budget=budget)
