@@ -111,6 +111,7 @@ class Prepared:
 
     def loss(self, args: tuple | None = None) -> torch.Tensor:
         """The forward pass on ``args`` (default: the prepared inputs)."""
+        self.runner.called.clear()
         return self.runner.fn(*(self.args if args is None else args))
 
     def step(self) -> None:
@@ -219,21 +220,22 @@ def plan_estimates(runner: Runner) -> tuple[int | None, int | None]:
     # Per-block compile runs the rest of the model (embeddings, head, loss)
     # eagerly, outside any Plan: a peak composed of the blocks' graphs alone
     # would read as the step's and be too low, so there is no prediction.
-    predicted = None if runner.blocks is not None else predicted_step_peak(runner.plans)
+    predicted = None if runner.blocks is not None else predicted_step_peak(runner.plans_called())
     return saved, predicted
 
 
 def step_plans(runner: Runner) -> list | None:
-    """The Plans in the order one step runs their graphs (None when unknown).
+    """The Plans in the order one step runs their graphs (None when unknown):
+    those the latest forward called, where it was logged.
 
-    A whole-model compile runs each graph once. Blocks compiled one by one
-    usually share one graph (Dynamo reuses it for every block of the class,
-    the parameters being inputs): its Plan runs once per block. One Plan per
-    block is one graph each; any other count (some blocks sharing, some not)
-    does not say which block ran which graph.
+    Otherwise: a whole-model compile runs each graph once. Blocks compiled
+    one by one usually share one graph (Dynamo reuses it for every block of
+    the class, the parameters being inputs): its Plan runs once per block.
+    One Plan per block is one graph each; any other count (some blocks
+    sharing, some not) does not say which block ran which graph.
     """
-    plans = runner.plans
-    if runner.blocks is None or len(plans) == runner.blocks:
+    plans = runner.plans_called()
+    if runner.called or runner.blocks is None or len(plans) == runner.blocks:
         return list(plans)
     if len(plans) == 1:
         return list(plans) * runner.blocks

@@ -120,6 +120,17 @@ class Runner:
     compiled graph, and so one Plan, run once per block."""
     reports: list = dataclasses.field(default_factory=list)
     """The reports ckpt wrote (when its config has a report_dir)."""
+    called: list[int] = dataclasses.field(default_factory=list)
+    """Which of ``plans`` the latest forward ran, by index, in call order
+    (Prepared.loss clears it)."""
+
+    def plans_called(self) -> list:
+        """The Plans of the graphs the latest forward ran, in order (all the
+        Plans when it ran none: not a ckpt mode, or not called yet). Not every
+        Plan recorded: transformers' classification loss sets
+        ``config.problem_type`` on its first call, Dynamo compiles the model
+        again on the second, and the first graph no longer runs."""
+        return [self.plans[i] for i in self.called] if self.called else list(self.plans)
 
 
 def build_runner(model: torch.nn.Module, mode: Mode, dynamic: bool | None = False,
@@ -142,12 +153,36 @@ def build_runner(model: torch.nn.Module, mode: Mode, dynamic: bool | None = Fals
     if report_dir is not None:
         overrides["report_dir"] = report_dir
     backend = make_backend(**overrides)
+    runner = Runner(model, backend.plans, reports=backend.reports)
+    logged = _logging_calls(backend, runner.called)
     if mode.kind == "ckpt-per-block":
         blocks = repeated_blocks(model)
         for block in blocks:  # one backend for all: its plans list collects every block's Plan
-            block.compile(backend=backend, dynamic=dynamic)
-        return Runner(model, backend.plans, blocks=len(blocks), reports=backend.reports)
-    return Runner(torch.compile(model, backend=backend, dynamic=dynamic), backend.plans, reports=backend.reports)
+            block.compile(backend=logged, dynamic=dynamic)
+        runner.blocks = len(blocks)
+        return runner
+    runner.fn = torch.compile(model, backend=logged, dynamic=dynamic)
+    return runner
+
+
+def _logging_calls(backend, called: list[int]):
+    """``backend``, each graph it partitions noting its Plan's index in
+    ``called`` when it runs (the step view's re-plans keep that index)."""
+
+    def compile_graph(gm, example_inputs, **kwargs):
+        index = len(backend.plans)
+        compiled = backend(gm, example_inputs, **kwargs)
+        if len(backend.plans) == index:  # no Plan: an inference graph
+            return compiled
+
+        def call(*args):
+            called.append(index)
+            return compiled(*args)
+
+        call._boxed_call = getattr(compiled, "_boxed_call", False)  # Dynamo then passes one list
+        return call
+
+    return compile_graph
 
 
 class InductorUnderBudget:

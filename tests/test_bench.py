@@ -2,6 +2,7 @@
 checkpointing in the built-in models. All fast: no compiles."""
 import copy
 import dataclasses
+import types
 
 import pytest
 import torch
@@ -9,7 +10,7 @@ import torch
 from bench import cases
 from bench.capsearch import largest_batch_under_cap
 from bench.harness import Settings, run_case
-from bench.modes import Mode, ModeError, parse_bytes, parse_mode, parse_modes
+from bench.modes import Mode, ModeError, build_runner, parse_bytes, parse_mode, parse_modes
 from bench.models import GPT, MLP, ConvNet, GPTConfig, gpt_batch, image_batch
 
 
@@ -97,6 +98,35 @@ def test_step_plans_repeat_a_shared_block_plan():
     assert step_plans(Runner(None, [a], blocks=3)) == [a, a, a]  # one graph for every block
     assert step_plans(Runner(None, [a, b], blocks=2)) == [a, b]  # a graph per block
     assert step_plans(Runner(None, [a, b], blocks=3)) is None  # which block ran which: unknown
+
+
+class _SetsConfigOnFirstCall(torch.nn.Module):
+    """As transformers' classification loss: the first call sets a config
+    attribute a guard reads, so Dynamo compiles the model again on the second."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+        self.config = types.SimpleNamespace(problem_type=None)
+
+    def forward(self, x):
+        if self.config.problem_type is None:
+            self.config.problem_type = "regression"
+        return self.linear(x).relu().sum()
+
+
+def test_a_step_counts_the_graphs_it_ran_not_every_graph_compiled():
+    from bench.harness import plan_estimates, predicted_step_peak, step_plans
+
+    torch._dynamo.reset()
+    runner = build_runner(_SetsConfigOnFirstCall(), parse_mode("ckpt"))
+    x = torch.randn(4, 8, requires_grad=True)
+    for _ in range(2):
+        runner.called.clear()  # as Prepared.loss does
+        runner.fn(x).backward()
+    first, second = runner.plans  # the second call compiled the model again
+    assert step_plans(runner) == [second]
+    assert plan_estimates(runner)[1] == predicted_step_peak([second]) < predicted_step_peak([first, second])
 
 
 def test_mode_lists_keep_order_and_drop_duplicates():
