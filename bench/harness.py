@@ -111,8 +111,7 @@ class Prepared:
 
     def loss(self, args: tuple | None = None) -> torch.Tensor:
         """The forward pass on ``args`` (default: the prepared inputs)."""
-        self.runner.called.clear()
-        return self.runner.fn(*(self.args if args is None else args))
+        return self.runner(*(self.args if args is None else args))
 
     def step(self) -> None:
         self.step_with(self.args)
@@ -353,7 +352,7 @@ def saved_bytes_of_step(prep: Prepared) -> int:
     fingerprint: another graph of the same model saves other bytes)."""
     prep.model.zero_grad(set_to_none=True)
     with count_saved_bytes(list(prep.model.parameters()) + list(prep.args)) as saved:
-        loss = prep.runner.fn(*prep.args)
+        loss = prep.runner(*prep.args)
     loss.backward()
     return saved["bytes"]
 

@@ -121,8 +121,12 @@ class Runner:
     reports: list = dataclasses.field(default_factory=list)
     """The reports ckpt wrote (when its config has a report_dir)."""
     called: list[int] = dataclasses.field(default_factory=list)
-    """Which of ``plans`` the latest forward ran, by index, in call order
-    (Prepared.loss clears it)."""
+    """Which of ``plans`` the latest forward ran, by index, in call order."""
+
+    def __call__(self, *args):
+        """The forward pass (what a step calls: it starts ``called`` afresh)."""
+        self.called.clear()
+        return self.fn(*args)
 
     def plans_called(self) -> list:
         """The Plans of the graphs the latest forward ran, in order (all the

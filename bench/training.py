@@ -196,7 +196,7 @@ def _step(runner: Runner, model, optimizer, inputs: tuple, lr: float, run: Run, 
 
 def _loss(runner: Runner, inputs: tuple, run: Run) -> torch.Tensor:
     """The forward pass; records the loss value."""
-    loss = runner.fn(*inputs)
+    loss = runner(*inputs)
     run.losses.append(loss.item())
     return loss
 

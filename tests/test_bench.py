@@ -122,8 +122,7 @@ def test_a_step_counts_the_graphs_it_ran_not_every_graph_compiled():
     runner = build_runner(_SetsConfigOnFirstCall(), parse_mode("ckpt"))
     x = torch.randn(4, 8, requires_grad=True)
     for _ in range(2):
-        runner.called.clear()  # as Prepared.loss does
-        runner.fn(x).backward()
+        runner(x).backward()
     first, second = runner.plans  # the second call compiled the model again
     assert step_plans(runner) == [second]
     assert plan_estimates(runner)[1] == predicted_step_peak([second]) < predicted_step_peak([first, second])
