@@ -35,6 +35,7 @@ from bench.measure import (
     time_once_s,
 )
 from bench.modes import Mode, Runner, build_runner, parse_mode
+from ckpt import step_view
 
 # compilation_time_metrics keys of dynamo_timed around the partitioner call:
 # PyTorch's own, and a custom partitioner's class name (ckpt's).
@@ -78,6 +79,9 @@ class ModeResult:
     ledger: Ledger | None = None
     """Where the peak goes (CPU only; the bench's step runs no optimizer)."""
     fallback: str | None = None
+    settle_steps: int = 0
+    """Steps run after the first, before the measured ones, until ckpt's step
+    view stopped re-planning (budget modes only)."""
     cap_batch: int | None = None
     cap_throughput: float | None = None
     cap_probes: list[tuple[int, int | None]] = dataclasses.field(default_factory=list)
@@ -155,6 +159,7 @@ def prepare(case: Case, base: torch.nn.Module, mode: Mode, batch: int, device: s
     ``dynamic_batch``: compile the batch dimension as symbolic, so that other
     batch sizes run without a recompile."""
     torch._dynamo.reset()
+    step_view.reset()
     model = copy.deepcopy(base).to(device)
     if mode.checkpoint_blocks:
         case.enable_checkpointing(model)
@@ -194,6 +199,7 @@ def measure_memory(prep: Prepared, result: ModeResult, device: str) -> list[torc
     result.compile_s = time.perf_counter() - start
     result.partitioner_s = _partitioner_seconds()
     grads = [None if p.grad is None else p.grad.detach().clone() for p in prep.model.parameters()]
+    result.settle_steps = settle(prep)
 
     result.saved_bytes = saved_bytes_of_step(prep)
     # Free the gradients first: the peak counts from parameters and inputs alone.
@@ -209,6 +215,26 @@ def measure_memory(prep: Prepared, result: ModeResult, device: str) -> list[torc
         prep.model.zero_grad(set_to_none=True)
         result.ledger = measure_ledger(prep.model, prep.loss, inputs=prep.args)
     return grads
+
+
+# At most this many steps for the step view to settle: corrections and the
+# looser budgets it may try take two steps each (ckpt/step_view.py).
+MAX_SETTLE_STEPS = 12
+
+
+def settle(prep: Prepared) -> int:
+    """Step until ckpt's step view has settled on the plans it runs on, and
+    return how many steps that took. A step measured while the view still
+    re-plans measures plans that do not run on, and what the re-plan's
+    compile inside it allocates."""
+    view = step_view.current()
+    view.finish_step()
+    steps = 0
+    while view.sequences and not view.settled and steps < MAX_SETTLE_STEPS:
+        prep.step()
+        view.finish_step()
+        steps += 1
+    return steps
 
 
 def plan_estimates(runner: Runner) -> tuple[int | None, int | None]:

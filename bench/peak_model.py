@@ -5,7 +5,9 @@
 
 For every model (the default preset's built-ins and the real transformers
 models) and every budget point (no budget, 0.5, 0.0), one training step's
-peak is measured (CPU: profiler memory events) and printed next to
+peak is measured (CPU: profiler memory events), once ckpt's step view has
+settled on the plans it runs on (the steps that took are in the table), and
+printed next to
 ``Plan.estimated_peak_bytes`` (graphs composed as the harness does). Then
 three ``peak:`` budgets between the measured peaks of the lowest-peak plan
 and the default plan are run, each checked against its target. Writes ``peak.md``, ``peak.json``
@@ -69,6 +71,7 @@ def _rows(case, result) -> list[dict]:
             "predicted_bytes": r.predicted_peak_bytes,
             "measured_bytes": r.peak_bytes,
             "saved_bytes": r.saved_bytes,
+            "settle_steps": r.settle_steps,
             "error": r.error,
         }
         for r in result.modes
@@ -103,8 +106,8 @@ def to_markdown(data: dict) -> str:
     lines = [
         f"# Peak model: predicted vs measured step peak ({data['machine']['torch']}, "
         f"{data['machine']['threads']} threads)", "",
-        "| model | mode | predicted MiB | measured MiB | error | target MiB | within target |",
-        "|---|---|---|---|---|---|---|",
+        "| model | mode | predicted MiB | measured MiB | error | target MiB | within target | steps to settle |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         error = relative_error(r)
@@ -113,7 +116,8 @@ def to_markdown(data: dict) -> str:
             f"| {r['model']} | {r['mode']} | {mib(r['predicted_bytes'])} | {mib(r['measured_bytes'])} | "
             + ("-" if error is None else f"{100 * error:+.1f}%")
             + f" | {mib(target)} | "
-            + ("-" if target is None else "yes" if r["within_target"] else "NO") + " |"
+            + ("-" if target is None else "yes" if r["within_target"] else "NO")
+            + f" | {r.get('settle_steps', '-')} |"
             + (f" {r['error']}" if r["error"] else "")
         )
     bad_order = misordered(rows)
