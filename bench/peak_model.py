@@ -100,6 +100,19 @@ def misordered(rows: list[dict]) -> list[tuple[str, str, str]]:
     return bad
 
 
+def above_looser(rows: list[dict]) -> list[tuple[str, str, str]]:
+    """Budgets whose measured peak is above a looser point's of the same
+    model: any budget above the default plan ("ckpt"), 0.0 above 0.5."""
+    measured = {(r["model"], r["mode"]): r["measured_bytes"] for r in rows if r["measured_bytes"]}
+    bad = []
+    for (model, mode), peak in measured.items():
+        looser = ["ckpt"] if mode != "ckpt" else []
+        looser += ["ckpt+budget=0.5"] if mode == "ckpt+budget=0.0" else []
+        bad += [(model, mode, other) for other in looser
+                if (model, other) in measured and peak > measured[(model, other)]]
+    return bad
+
+
 def to_markdown(data: dict) -> str:
     rows = data["rows"]
     errors = [e for e in map(relative_error, rows) if e is not None]
@@ -129,6 +142,8 @@ def to_markdown(data: dict) -> str:
         + (f"{100 * max(errors, key=abs):+.1f}%" if errors else "-"),
         f"- pairs measured more than {100 * TOLERANCE:.0f}% apart but predicted in the other order: "
         + (", ".join(f"{m}: {a} < {b}" for m, a, b in bad_order) or "none"),
+        "- budgets measured above a looser point (any above no budget, 0.0 above 0.5): "
+        + (", ".join(f"{m}: {a} > {b}" for m, a, b in above_looser(rows)) or "none"),
         f"- peak budgets whose measured peak is within the target: "
         f"{sum(r['within_target'] for r in peak_runs)} of {len(peak_runs)}",
     ]

@@ -384,3 +384,16 @@ def test_memory_is_measured_once_the_step_view_has_settled():
     measure_memory(prepare(case, base, parse_mode("ckpt"), case.batch, "cpu"), default, "cpu")
     assert default.settle_steps == 0  # no budget: no step view, nothing to wait for
     assert result.peak_bytes <= default.peak_bytes
+
+
+def test_peak_model_names_budgets_measured_above_a_looser_point():
+    from bench.peak_model import above_looser
+
+    def row(mode, measured):
+        return {"model": "m", "mode": mode, "measured_bytes": measured}
+
+    rows = [row("ckpt", 100), row("ckpt+budget=0.5", 90), row("ckpt+budget=0.0", 95),
+            row("ckpt+budget=peak:99B", 101)]
+    assert above_looser(rows) == [("m", "ckpt+budget=0.0", "ckpt+budget=0.5"),
+                                  ("m", "ckpt+budget=peak:99B", "ckpt")]
+    assert above_looser(rows[:2]) == []
