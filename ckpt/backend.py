@@ -79,8 +79,6 @@ class CkptBackend:
             if place is not None:
                 config = config.replace(module_prefix=place.prefix)
             patches = inductor_patches(mode, options)
-            if config.memory_budget is not None:
-                patches = {**BUDGET_INDUCTOR_SETTINGS, **patches}  # the user's own options win
             # Resolved once, before Inductor starts: every plan of this
             # graph (the step view's re-plans too) is for the same bytes.
             config = config.replace(memory_budget=resolved_budget(config.memory_budget, inputs_device(example_inputs)))
@@ -91,7 +89,8 @@ class CkptBackend:
         if config.memory_budget is None or not config.step_planning:
             partitioner = self.make_partitioner(config)
             compiled = compile_fx_near_fusion_in_backward(
-                gm, example_inputs, config_patches={**patches, PARTITIONER_OPTION: partitioner},
+                gm, example_inputs,
+                config_patches={**plan_settings(config.memory_budget, patches), PARTITIONER_OPTION: partitioner},
                 uncached=partitioner.uuid() is None,
             )
         else:
@@ -126,7 +125,8 @@ class CkptBackend:
             config.replace(memory_budget=budget), step=step, sizes=sizes, step_planning=True
         )
         compiled = compile_fx_near_fusion_in_backward(
-            gm, example_inputs, config_patches={**patches, PARTITIONER_OPTION: partitioner}, uncached=True
+            gm, example_inputs, config_patches={**plan_settings(budget, patches), PARTITIONER_OPTION: partitioner},
+            uncached=True,
         )
         if len(self.plans) == before:
             return compiled, None
@@ -196,6 +196,16 @@ wrapper pools a freed buffer for a later one of its size: under a budget a
 pooled MLP value waits through the attention backward for the next layer's
 recompute (Gemma at 0.0: 18.63 MiB with reuse, 17.64 without). The peak
 model reads both settings, so it plans with what runs."""
+
+
+def plan_settings(budget, patches: dict) -> dict:
+    """The Inductor settings a plan for ``budget`` compiles with: the
+    budget's own (BUDGET_INDUCTOR_SETTINGS) under a budget, the user's
+    ``patches`` winning; none of them with no budget, which is also how the
+    step view's runtime-optimal rung compiles, so falling back to it runs
+    the default plan's code (the MoE's rung peaked 512 bytes above it when
+    compiled without buffer reuse)."""
+    return dict(patches) if budget is None else {**BUDGET_INDUCTOR_SETTINGS, **patches}
 
 
 def inductor_patches(mode: str | None, options: Mapping | None) -> dict:

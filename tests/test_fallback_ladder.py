@@ -214,3 +214,39 @@ def test_a_step_falls_back_through_inductor_and_trains_alike(monkeypatch):
     assert state.tried[state.rung] == min(state.tried.values())
     assert view.recompiles > plain.recompiles
     assert losses == plain_losses
+
+
+def test_the_runtime_optimal_rung_compiles_as_the_default_plan(monkeypatch):
+    """Fallen back to the runtime-optimal rung, a step runs the default
+    plan's code: Inductor compiles it without the budget's settings (no
+    buffer reuse there), so its predicted peak and saved set are the
+    default plan's to the byte (the MoE's rung measured 512 bytes above its
+    default plan when it kept them)."""
+    cfg = GPTConfig(depth=2, width=32, heads=2, seq=32, vocab=64)
+    tokens, targets = gpt_batch(cfg, 2)
+
+    def train(**budget):
+        step_view.reset()
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        backend = make_backend(strict=True, **budget)
+        compiled = torch.compile(GPT(cfg), backend=backend)
+        for _ in range(8):
+            compiled(tokens, targets).backward()
+        step_view.current().finish_step()
+        return backend.plans[-1]
+
+    default = train()
+    real_stop = step_view._stop_meter
+
+    def inflated(meter, end_ns):
+        measured = real_stop(meter, end_ns)
+        rungs = {state.rung for state in step_view.current().sequences.values()}
+        return None if measured is None else measured * (1 if rungs == {RUNTIME_OPTIMAL} else 8)
+
+    monkeypatch.setattr(step_view, "_stop_meter", inflated)
+    fallen_back = train(memory_budget=0.5)
+    (state,) = step_view.current().sequences.values()
+    assert state.settled and state.rung == RUNTIME_OPTIMAL, state
+    assert fallen_back.peak_estimate == default.peak_estimate
+    assert [(d.name, d.decision) for d in fallen_back.decisions] == [(d.name, d.decision) for d in default.decisions]
