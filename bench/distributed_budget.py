@@ -12,9 +12,9 @@ measures its own step peak once the step view has settled (from the second
 step every rank starts settled: the first may recompile for the settled
 plans; eager counts as settled from its third step, so it is measured from
 its fourth, the optimizer's state allocated), at most --steps steps in, as
-the largest of --measured-steps steps (the step a run dies on): peak bytes
-allocated during forward and backward above what is alive before it
-(profiler memory events). Also written: a digest of each rank's plans
+the smallest of --measured-steps steps (the plan's own peak, see
+``Settings.measured_steps``): peak bytes allocated during forward and
+backward above what is alive before it (profiler memory events). Also written: a digest of each rank's plans
 (ranks must decide alike), graphs per step and recompiles. Writes results.md and
 results.json into --out.
 """
@@ -49,13 +49,14 @@ class Settings(argparse.Namespace):
     seq = 512
     batch = 2
     steps = 20  # at most: the view settles sooner, its fallbacks included (2 steps each)
-    # Settled steps measured; the largest is the peak. Under gloo, the same
-    # plan's step peak moves by a buffer (739,328 bytes, Qwen2 3 layers seq
-    # 128) from step to step (FSDP2's collectives free theirs on gloo's
-    # threads, early or late): rank 0, ckpt 0.0 6.65/7.36 MiB, eager
-    # checkpointing 6.88/7.58. One step alone is a draw, and so is a median
-    # (CI: ckpt's 3 of 5 high against eager's 2 of 5, 1.07x); the largest
-    # compares the two at their worst step, which is the one a run dies on.
+    # Settled steps measured; the smallest is the plan's peak. Under gloo a
+    # step's peak moves by 0, 1 or 2 buffers of one layer's gathered
+    # parameters (739,328 bytes, Qwen2 3 layers seq 128): the main thread
+    # allocates them, gloo's worker thread drops the last reference early
+    # or late (profiler memory events by thread). Rank 0, ckpt 0.0 6.64/
+    # 7.35/8.05 MiB, eager checkpointing 6.88/7.58/8.29. A median or the
+    # largest compares draws of that timing (CI failed both ways, at 1.07x
+    # and 1.06x); the smallest compares the plans. Every step is listed.
     measured_steps = 5
     bucket_cap_mb = 1  # DDP's smallest: its first bucket is 1 MiB, and no bucket may be smaller
     out = DEFAULT_OUT
@@ -113,7 +114,7 @@ def rank_run(rank: int, layout: str, mode: str, settings) -> dict:
     view.finish_step()
     plans = backend.plans if backend is not None else []
     return {
-        "peak_bytes": max(peaks), "peaks": peaks, "losses": losses,
+        "peak_bytes": min(peaks), "peaks": peaks, "losses": losses,
         "plan_digests": [plan_digest(p) for p in plans], "fallbacks": [p.fallback for p in plans],
         "graphs": len(view.plans), "recompiles": view.recompiles,
         "calls_per_step": max((len(s) for s in view.sequences), default=0),
@@ -192,7 +193,7 @@ def main(argv=None) -> None:
     lines = [
         "# A budget per rank", "",
         f"Qwen2, {args.layers} layers, d={args.width}, seq {args.seq}, batch {args.batch} per rank, "
-        f"{WORLD} gloo ranks, DDP bucket_cap_mb={args.bucket_cap_mb}; peak: the largest of "
+        f"{WORLD} gloo ranks, DDP bucket_cap_mb={args.bucket_cap_mb}; peak: the smallest of "
         f"{args.measured_steps} steps measured once the step view settled (at most step {args.steps}).",
         "", *table(ranks), "",
     ]

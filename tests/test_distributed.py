@@ -87,14 +87,15 @@ def test_a_lone_fallback_stops_every_rank(tmp_path):
 def test_a_budget_holds_per_rank_under_ddp_and_fsdp2_per_block(tmp_path):
     """bench.distributed_budget at a small size: a Qwen2 decoder at 0.0,
     DDP split into buckets and FSDP2 per block, each rank's step peak (the
-    largest of 7 settled steps: under gloo one step's peak moves by a
-    buffer, so both modes are compared at their worst step) within 1.05x
-    its eager per-layer checkpointing's, the ranks' plans alike."""
+    smallest of 9 settled steps: under gloo a step's peak moves by 0-2
+    buffers that gloo's thread frees early or late, so both modes are
+    compared at their plan's own peak) within 1.05x its eager per-layer
+    checkpointing's, the ranks' plans alike."""
     from bench.distributed_budget import Settings, run
 
     # Each rank measures the step after its view settled (looser rungs tried
     # under FSDP2, whose all-gathered parameters the model does not see).
-    ranks = run(Settings(layers=3, seq=128, measured_steps=7), tmp_path)
+    ranks = run(Settings(layers=3, seq=128, measured_steps=9, steps=24), tmp_path)
     assert ranks[0]["ddp"]["ckpt+budget=0.0"]["graphs"] >= 2, "DDP's optimizer did not split the graph"
     for layout in ("ddp", "fsdp2-per-block"):
         digests = [result[layout]["ckpt+budget=0.0"]["plan_digests"] for result in ranks]
