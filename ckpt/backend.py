@@ -120,7 +120,7 @@ class CkptBackend:
         the plans in force."""
         before = len(self.plans)
         # step_planning: the view must see the plan, never one from a cache
-        # (a fallback rung plans with no budget at all).
+        # (the runtime-optimal rung plans with no budget at all).
         partitioner = self.make_partitioner(
             config.replace(memory_budget=budget), step=step, sizes=sizes, step_planning=True
         )
@@ -195,7 +195,11 @@ unrolling, ``python -m bench.calibrate t5 --budget 0.0``). Inductor's
 wrapper pools a freed buffer for a later one of its size: under a budget a
 pooled MLP value waits through the attention backward for the next layer's
 recompute (Gemma at 0.0: 18.63 MiB with reuse, 17.64 without). The peak
-model reads both settings, so it plans with what runs."""
+model reads both settings, so a plan is predicted with what runs. (Not
+quite for the step view's runtime-optimal rung: its peak is predicted
+while the budget's own plan is made, under these settings, but it
+compiles without them, ``plan_settings``; the rung's prediction decides
+only whether the view tries it, and what it measures decides the rest.)"""
 
 
 def plan_settings(budget, patches: dict) -> dict:

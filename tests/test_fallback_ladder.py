@@ -5,7 +5,8 @@ fraction never peaks above a looser one's plans or the runtime-optimal plan
 it tried, however wrong the peak model is about the tight plan.
 
 The view's decisions are driven here by hand-made plans and measurements
-(no Inductor): one graph, called once per step, as a whole-model compile."""
+(no Inductor), one graph called once per step as a whole-model compile;
+the last two tests run the ladder end to end through Inductor."""
 import pytest
 import torch
 import torch._dynamo
