@@ -122,7 +122,8 @@ class CkptBackend:
         # step_planning: the view must see the plan, never one from a cache
         # (the runtime-optimal rung plans with no budget at all).
         partitioner = self.make_partitioner(
-            config.replace(memory_budget=budget), step=step, sizes=sizes, step_planning=True
+            config.replace(memory_budget=budget), step=step, sizes=sizes, step_planning=True,
+            optimal_settings=None if budget is None else optimal_rung_settings(patches),
         )
         compiled = compile_fx_near_fusion_in_backward(
             gm, example_inputs, config_patches={**plan_settings(budget, patches), PARTITIONER_OPTION: partitioner},
@@ -137,11 +138,12 @@ class CkptBackend:
         return compiled, plan
 
     def make_partitioner(self, config: Config | None = None, *, step=None, sizes=None,
-                         step_planning: bool | None = None) -> CkptPartitioner:
+                         step_planning: bool | None = None, optimal_settings=None) -> CkptPartitioner:
         """The partitioner one compile hands Inductor: it records each graph's
         Plan here and, with ``report_dir`` set, asks for PyTorch's decisions
         too and writes the graph's report. ``step`` and ``sizes``: what the
-        step view plans the graph for."""
+        step view plans the graph for; ``optimal_settings``: the Inductor
+        settings its runtime-optimal rung compiles with."""
         config = self.config if config is None else config
         return CkptPartitioner(
             config,
@@ -151,6 +153,7 @@ class CkptBackend:
             step_planning=(config.memory_budget is not None and config.step_planning)
             if step_planning is None else step_planning,
             sizes=sizes,
+            optimal_settings=optimal_settings,
         )
 
     def _record(self, report_dir: str | None, outcome: Outcome) -> None:
@@ -195,11 +198,10 @@ unrolling, ``python -m bench.calibrate t5 --budget 0.0``). Inductor's
 wrapper pools a freed buffer for a later one of its size: under a budget a
 pooled MLP value waits through the attention backward for the next layer's
 recompute (Gemma at 0.0: 18.63 MiB with reuse, 17.64 without). The peak
-model reads both settings, so a plan is predicted with what runs. (Not
-quite for the step view's runtime-optimal rung: its peak is predicted
-while the budget's own plan is made, under these settings, but it
-compiles without them, ``plan_settings``; the rung's prediction decides
-only whether the view tries it, and what it measures decides the rest.)"""
+model reads both settings, so a plan is predicted with what runs; the
+step view's runtime-optimal rung, predicted while the budget's own plan
+is made but compiled without them (``plan_settings``), is predicted under
+``optimal_rung_settings``."""
 
 
 def plan_settings(budget, patches: dict) -> dict:
@@ -210,6 +212,13 @@ def plan_settings(budget, patches: dict) -> dict:
     the default plan's code (the MoE's rung peaked 512 bytes above it when
     compiled without buffer reuse)."""
     return dict(patches) if budget is None else {**BUDGET_INDUCTOR_SETTINGS, **patches}
+
+
+def optimal_rung_settings(patches: dict) -> dict:
+    """The values of BUDGET_INDUCTOR_SETTINGS's keys that the runtime-optimal
+    rung compiles with (``plan_settings(None, patches)``): the user's, else
+    Inductor's in force outside the compile."""
+    return {name: patches.get(name, compat.inductor_setting(name)) for name in BUDGET_INDUCTOR_SETTINGS}
 
 
 def inductor_patches(mode: str | None, options: Mapping | None) -> dict:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+from collections.abc import Mapping
 
 import torch
 import torch._functorch.config
@@ -390,6 +391,11 @@ def inductor_option_names() -> list[str]:
     import torch._inductor
 
     return torch._inductor.list_options()
+
+
+def inductor_settings_patched(settings: Mapping):
+    """A context in which ``torch._inductor.config`` has ``settings``."""
+    return torch._inductor.config.patch(dict(settings))
 
 
 def inductor_setting(name: str):

@@ -37,6 +37,8 @@ from collections.abc import Mapping
 import torch
 import torch.fx as fx
 
+import ckpt_compat as compat
+
 from .classify import GraphFacts, activation_bytes, read_by_backward, recomputed_nodes
 from .config import ConfigError, MemoryBudget
 from .cost import DeviceProfile, estimate_runtime_s
@@ -150,6 +152,7 @@ def rung_budget(label: str) -> MemoryBudget | None:
 
 def solve_with_budget(
     facts: GraphFacts, budget: MemoryBudget | None, profile: DeviceProfile, context: StepContext | None = None,
+    optimal_settings: Mapping | None = None,
 ) -> BudgetSolution:
     """The saved set for ``budget`` (None: the runtime-optimal one), a
     resolved one (``resolved_budget``: no ``peak:auto`` left).
@@ -171,13 +174,14 @@ def solve_with_budget(
     if budget is not None and budget.is_peak:
         cut, target, note = _solve_for_peak(search, budget, optimal, context), budget.peak_bytes, None
         fits = cut.estimated_peak_bytes <= _planned_peak(budget, context)
-        rungs = (_rung(RUNTIME_OPTIMAL, optimal),)
+        rungs = (optimal_rung(facts, optimal, context, optimal_settings),)
     else:
         asked = _target_bytes(budget, optimal.saved_bytes, context)
         cut, target, note = _within_fraction_or_bytes(search, budget, asked, optimal)
         fits = cut.saved_bytes <= target
         rungs = tuple(
-            _rung(label, _within_fraction_or_bytes(
+            optimal_rung(facts, optimal, context, optimal_settings) if label == RUNTIME_OPTIMAL
+            else _rung(label, _within_fraction_or_bytes(
                 search, rung_budget(label), _target_bytes(rung_budget(label), optimal.saved_bytes), optimal)[0])
             for label in ladder(budget)
         ) if asked < optimal.saved_bytes else ()
@@ -213,6 +217,17 @@ def _within_fraction_or_bytes(search: "_Search", budget: MemoryBudget | None, ta
 
 def _rung(label: str, cut: _Cut) -> Rung:
     return Rung(label, cut.peak, tuple(sorted(n.name for n in cut.saved)))
+
+
+def optimal_rung(facts: GraphFacts, optimal: _Cut, context: StepContext | None,
+                 settings: Mapping | None) -> Rung:
+    """The runtime-optimal rung, its peak predicted under the Inductor
+    ``settings`` it compiles with (ckpt/backend.py ``plan_settings``: not
+    the budget's, under which this plan is made)."""
+    if settings:
+        with compat.inductor_settings_patched(settings):
+            optimal = _cut_of(facts, list(optimal.saved), context)
+    return _rung(RUNTIME_OPTIMAL, optimal)
 
 
 def _margin(context: StepContext | None) -> float:

@@ -10,7 +10,7 @@ import dataclasses
 import functools
 import pathlib
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch.fx as fx
 
@@ -51,12 +51,17 @@ def partition(
     config: Config = Config(),
     step: StepContext | None = None,
     sizes: dict[str, int] | None = None,
+    optimal_settings: Mapping | None = None,
 ) -> Partition:
     """Plan, then build the forward and backward modules from the plan;
     ``step``: the training step the graph runs in (partitioners/step.py);
-    ``sizes``: dynamic sizes to plan at (``{"s0": 512}``; else the example's)."""
+    ``sizes``: dynamic sizes to plan at (``{"s0": 512}``; else the example's);
+    ``optimal_settings``: the Inductor settings the runtime-optimal rung
+    compiles with, where they differ from this plan's."""
     with compat.planning_at(sizes):
-        facts, solution = _decide(joint_gm, num_fwd_outputs, static_lifetime_input_indices, config, step)
+        facts, solution = _decide(
+            joint_gm, num_fwd_outputs, static_lifetime_input_indices, config, step, optimal_settings
+        )
     order = {node: i for i, node in enumerate(joint_gm.graph.nodes)}
     saved = sorted(solution.saved, key=order.__getitem__)
     # AOTAutograd passes tensors, SymInts and opaque handles to backward
@@ -78,15 +83,19 @@ def partition(
     return Partition(fwd, bwd, _plan(facts, saved, solution, config, step), facts)
 
 
-def _decide(joint_gm, num_fwd_outputs, static_lifetime_input_indices, config: Config, step=None):
+def _decide(joint_gm, num_fwd_outputs, static_lifetime_input_indices, config: Config, step=None,
+            optimal_settings=None):
     run_passes(joint_passes.BEFORE_DECIDING, joint_gm)  # in place: joint_gm is the cleaned graph
-    solve = functools.partial(_solve, joint_gm, num_fwd_outputs, static_lifetime_input_indices, config, step)
+    solve = functools.partial(
+        _solve, joint_gm, num_fwd_outputs, static_lifetime_input_indices, config, step, optimal_settings
+    )
     if config.memory_budget is None:
         return solve()
     return _unfolded_where_lower(joint_gm, solve)
 
 
-def _solve(joint_gm, num_fwd_outputs, static_lifetime_input_indices, config: Config, step=None):
+def _solve(joint_gm, num_fwd_outputs, static_lifetime_input_indices, config: Config, step=None,
+           optimal_settings=None):
     facts = classify(
         joint_gm,
         num_fwd_outputs=num_fwd_outputs,
@@ -98,8 +107,8 @@ def _solve(joint_gm, num_fwd_outputs, static_lifetime_input_indices, config: Con
     budget = resolved_budget(config.memory_budget, graph_device(joint_gm.graph))
     if budget is not None and budget.regional:
         regions = label_regions(facts, budget, config.module_prefix)
-        return facts, solve_regions(facts, budget, regions, profile, step)
-    return facts, solve_with_budget(facts, budget, profile, step)
+        return facts, solve_regions(facts, budget, regions, profile, step, optimal_settings)
+    return facts, solve_with_budget(facts, budget, profile, step, optimal_settings)
 
 
 def _unfolded_where_lower(joint_gm, solve):
@@ -203,8 +212,10 @@ class CkptPartitioner(compat.CustomPartitionerFn):
         step: StepContext | None = None,
         step_planning: bool = False,
         sizes: dict[str, int] | None = None,
+        optimal_settings: Mapping | None = None,
     ):
         self.config = config
+        self.optimal_settings = optimal_settings
         self.on_outcome = on_outcome
         self.compare_with_pytorch = compare_with_pytorch
         self.step = step
@@ -221,6 +232,7 @@ class CkptPartitioner(compat.CustomPartitionerFn):
                 config=self.config,
                 step=self.step,
                 sizes=self.sizes,
+                optimal_settings=self.optimal_settings,
             )
             fwd, bwd, plan = result.forward, result.backward, result.plan
         except ConfigError:

@@ -25,13 +25,14 @@ import math
 import re
 import time
 import warnings
+from collections.abc import Mapping
 
 import torch
 import torch.fx as fx
 
 import ckpt_compat as compat
 from .budget import (
-    RUNTIME_OPTIMAL, BudgetSolution, Scope, _Cut, _cut_of, _min_cut, _planned_peak, _rung, _Search,
+    BudgetSolution, Scope, _Cut, _cut_of, _min_cut, _planned_peak, _Search, optimal_rung,
     _solve_for_peak, _target_bytes, _within_fraction_or_bytes,
 )
 from .canonical import DYNAMO_ROOT, module_path
@@ -166,9 +167,10 @@ def label_regions(facts: GraphFacts, budget: MemoryBudget, prefix: str = "") -> 
 
 def solve_regions(
     facts: GraphFacts, budget: MemoryBudget, regions: dict[Region, frozenset[fx.Node]],
-    profile: DeviceProfile, context: StepContext | None = None,
+    profile: DeviceProfile, context: StepContext | None = None, optimal_settings: Mapping | None = None,
 ) -> BudgetSolution:
-    """The plan where each region keeps its own budget, under the cap if any."""
+    """The plan where each region keeps its own budget, under the cap if any;
+    ``optimal_settings``: the Inductor settings of the runtime-optimal rung."""
     start = time.perf_counter()
     flow = build_flow_graph(facts)
     whole = _Search(flow, profile, context)
@@ -209,7 +211,8 @@ def solve_regions(
         plan, target_bytes=cap.peak_bytes if cap is not None else plan.saved_bytes,
         optimal_bytes=optimal.saved_bytes, fits=fits and not over,
         note=note, cuts=cuts + 1, solve_time_s=time.perf_counter() - start,
-        rungs=(_rung(RUNTIME_OPTIMAL, optimal),) if plan.saved != optimal.saved and not hard else (),
+        rungs=(optimal_rung(facts, optimal, context, optimal_settings),)
+        if plan.saved != optimal.saved and not hard else (),
         regions=outcomes,
     )
 

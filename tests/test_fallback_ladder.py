@@ -222,7 +222,8 @@ def test_the_runtime_optimal_rung_compiles_as_the_default_plan(monkeypatch):
     plan's code: Inductor compiles it without the budget's settings (no
     buffer reuse there), so its predicted peak and saved set are the
     default plan's to the byte (the MoE's rung measured 512 bytes above its
-    default plan when it kept them)."""
+    default plan when it kept them). The budget's own plan predicted that
+    rung, which the ladder reads to decide whether to try it, as it runs."""
     cfg = GPTConfig(depth=2, width=32, heads=2, seq=32, vocab=64)
     tokens, targets = gpt_batch(cfg, 2)
 
@@ -246,8 +247,19 @@ def test_the_runtime_optimal_rung_compiles_as_the_default_plan(monkeypatch):
         return None if measured is None else measured * (1 if rungs == {RUNTIME_OPTIMAL} else 8)
 
     monkeypatch.setattr(step_view, "_stop_meter", inflated)
+    recorded = []
+    real_record = step_view.StepView.record_plan
+
+    def recording(view, key, plan, measure, rung=OWN):
+        recorded.append((rung, plan))
+        return real_record(view, key, plan, measure, rung)
+
+    monkeypatch.setattr(step_view.StepView, "record_plan", recording)
     fallen_back = train(memory_budget=0.5)
+    own = next(plan for rung, plan in recorded if rung == OWN)
     (state,) = step_view.current().sequences.values()
     assert state.settled and state.rung == RUNTIME_OPTIMAL, state
     assert fallen_back.peak_estimate == default.peak_estimate
+    (rung,) = [r for r in own.rungs if r.label == RUNTIME_OPTIMAL]
+    assert rung.peak == default.peak_estimate
     assert [(d.name, d.decision) for d in fallen_back.decisions] == [(d.name, d.decision) for d in default.decisions]
