@@ -29,7 +29,7 @@ from bench.measure import memory_events, peak_of, quiet_native_stderr
 from bench.modes import parse_mode
 from bench.peak_model import cases
 from bench.report import MiB
-from ckpt.backend import BUDGET_INDUCTOR_SETTINGS
+from ckpt.backend import plan_settings
 from partitioners import peak
 
 
@@ -180,7 +180,7 @@ def calibrate(case, budget: str | None, show_code: bool = False, inductor: dict 
     print(f"  measured forward {forward.peak_bytes / MiB:.2f} MiB, live after forward {forward.end_bytes / MiB:.2f}, "
           f"backward {(forward.end_bytes + backward.peak_bytes) / MiB:.2f} (from the step's start)")
     # The walk reads Inductor's settings: those the graphs compiled with.
-    settings = {**(BUDGET_INDUCTOR_SETTINGS if budget is not None else {}), **(inductor or {})}
+    settings = plan_settings(budget, inductor or {})
     with torch._inductor.config.patch(settings):
         for part in parts:
             predicted_backward(part)
