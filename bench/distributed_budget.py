@@ -33,6 +33,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from bench.measure import peak_cpu_bytes
+from bench.report import machine_info, machine_line
 from bench.step_budget import VOCAB, build, decoder_layers
 from ckpt import make_backend, step_view
 
@@ -191,7 +192,7 @@ def main(argv=None) -> None:
     args = p.parse_args(argv, namespace=Settings())
     ranks = run(args, args.out)
     lines = [
-        "# A budget per rank", "",
+        "# A budget per rank", "", machine_line(machine_info("cpu")), "",
         f"Qwen2, {args.layers} layers, d={args.width}, seq {args.seq}, batch {args.batch} per rank, "
         f"{WORLD} gloo ranks, DDP bucket_cap_mb={args.bucket_cap_mb}; peak: the smallest of "
         f"{args.measured_steps} steps measured once the step view settled (at most step {args.steps}).",

@@ -25,7 +25,7 @@ from bench import real
 from bench.cases import BUILTIN, builtin_case
 from bench.harness import Settings, fresh_inductor_cache, run_case, warm_up_compiler
 from bench.modes import parse_modes
-from bench.report import MiB, machine_info, mib
+from bench.report import MiB, machine_info, machine_line, mib
 
 POINTS = ("ckpt", "ckpt+budget=0.5", "ckpt+budget=0.0")
 # Peak targets at these shares of the way from the measured peak of the
@@ -117,8 +117,7 @@ def to_markdown(data: dict) -> str:
     rows = data["rows"]
     errors = [e for e in map(relative_error, rows) if e is not None]
     lines = [
-        f"# Peak model: predicted vs measured step peak ({data['machine']['torch']}, "
-        f"{data['machine']['threads']} threads)", "",
+        "# Peak model: predicted vs measured step peak", "", machine_line(data["machine"]), "",
         "| model | mode | predicted MiB | measured MiB | error | target MiB | within target | steps to settle |",
         "|---|---|---|---|---|---|---|---|",
     ]

@@ -15,11 +15,28 @@ from bench.harness import CaseResult, ModeResult
 MiB = 2**20
 
 
+def cpu_name() -> str:
+    """The processor's model name (Linux's /proc/cpuinfo), else platform's guess."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
 def machine_info(device: str) -> dict:
     info = {
         "platform": platform.platform(),
         "python": platform.python_version(),
         "cpu_count": os.cpu_count(),
+        # oneDNN's kernels (and so CPU peaks near convolutions) follow the
+        # instruction set: ConvNeXt's eager step peaks at 20.96 MiB on an
+        # AVX2 EPYC and 31.25 on the machine of an earlier run.
+        "cpu": cpu_name(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "device": device,
@@ -28,6 +45,12 @@ def machine_info(device: str) -> dict:
     if device.startswith("cuda"):
         info["device_name"] = torch.cuda.get_device_name(device)
     return info
+
+
+def machine_line(info: dict) -> str:
+    """The machine in one line, for a results.md header: CPU peaks depend on it."""
+    return (f"torch {info['torch']}, {info['threads']} threads, {info.get('cpu', 'unknown CPU')} "
+            f"({info.get('cpu_capability', '?')}), {info['device']}")
 
 
 def sweep_depth(name: str) -> int:

@@ -36,6 +36,7 @@ import torch._dynamo
 
 from bench import families
 from bench.measure import peak_cpu_bytes
+from bench.report import machine_info, machine_line
 from ckpt import make_backend, step_view
 
 DEFAULT_OUT = pathlib.Path("bench/results/step_budget")
@@ -218,7 +219,7 @@ def main(argv=None) -> None:
         p.add_argument(f"--{name}", type=int, help="instead of the family's own (bench/families.py)")
     args = p.parse_args(argv, namespace=Settings())
     torch._dynamo.config.cache_size_limit = 64  # per-block compile: one entry per layer's backend
-    rows, reference, lines = [], {}, ["# Budgets in the step", ""]
+    rows, reference, lines = [], {}, ["# Budgets in the step", "", machine_line(machine_info("cpu")), ""]
     for family in args.families:
         settings = sized(args, family)
         batches = fixed_batches(settings, family)

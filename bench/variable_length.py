@@ -38,6 +38,7 @@ import torch._dynamo
 
 from bench.corpus import load_corpus
 from bench.measure import peak_cpu_bytes
+from bench.report import machine_info, machine_line
 from bench.step_budget import VOCAB, build, losses_against
 from ckpt import make_backend, step_view
 
@@ -210,7 +211,7 @@ def main(argv=None) -> None:
         repeats[family] = again["losses"] == first["losses"]
     lengths = rows[0]["lengths"]
     lines = [
-        "# A variable-length run under a peak cap", "",
+        "# A variable-length run under a peak cap", "", machine_line(machine_info("cpu")), "",
         f"{args.steps} steps of batch {args.batch}, lengths {min(lengths)}..{max(lengths)} "
         f"(median {sorted(lengths)[len(lengths) // 2]}); caps: "
         + ", ".join(f"{f} {c / 2**20:.2f} MiB ({args.cap_of_checkpoint}x eager+checkpoint)" for f, c in caps.items()),

@@ -27,6 +27,7 @@ from bench.cases import Case
 from bench.families import VOCAB, _decoder_common
 from bench.harness import Settings, run_case
 from bench.modes import parse_modes
+from bench.report import machine_info, machine_line
 
 UNIFORM = ("0.0", "0.25", "0.5", "0.75")
 REGIONAL = (
@@ -133,7 +134,7 @@ def main(argv=None) -> None:
     modes = ALL_MODES if args.all else args.modes
     result = run_case(case, parse_modes(modes), Settings(repeats=args.repeats, probes=0))
     compile_step = next((m.step_s for m in result.modes if m.mode == "compile"), None)
-    lines = [f"{case.description}, batch {case.batch}, CPU", "",
+    lines = [f"{case.description}, batch {case.batch}; {machine_line(machine_info('cpu'))}", "",
              "| mode | saved MiB | peak MiB | predicted MiB | step ms | vs compile | max grad diff | error |",
              "|---|---|---|---|---|---|---|---|"]
     for m in result.modes:
