@@ -274,8 +274,10 @@ def predicted_step_peak(plans: list) -> int | None:
     Graphs run forward in compile order and backward in reverse: while graph
     i runs forward, the earlier graphs hold what they saved; while it runs
     backward, the earlier graphs still hold theirs and the later ones have
-    returned their gradients, of which graph i's tangents are a part (counted
-    once, in graph i's backward peak).
+    returned their parameters' gradients (the activation gradients they
+    returned are read and freed by the graph before each; graph i's own
+    tangents are in its backward peak): ``partitioners.step``'s rule, less
+    the tensors handed to several calls, which only the step view sees.
     """
     peaks = [getattr(plan, "peak_estimate", None) for plan in plans]
     if not peaks or None in peaks:
@@ -284,7 +286,7 @@ def predicted_step_peak(plans: list) -> int | None:
     for i, peak in enumerate(peaks):
         before = sum(p.held_bytes for p in peaks[:i])
         outputs = sum(p.output_bytes for p in peaks[:i])  # the inputs of this graph
-        after = max(0, sum(p.gradient_bytes for p in peaks[i + 1:]) - peak.tangent_bytes)
+        after = sum(p.gradient_bytes - p.input_gradient_bytes for p in peaks[i + 1:])
         step = max(step, before + outputs + peak.forward_bytes, before + after + peak.backward_bytes)
     return step
 

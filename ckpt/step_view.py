@@ -35,6 +35,7 @@ import os
 import pathlib
 import sys
 import time
+import typing
 
 import torch
 import torch.fx as fx
@@ -45,7 +46,7 @@ from partitioners.budget import rung_budget
 from partitioners.config import MemoryBudget, warn_once
 from partitioners.plan import Plan
 from partitioners.rank_sync import largest_on_all_ranks
-from partitioners.step import GraphCost, StepContext, predicted_step_peak, step_context
+from partitioners.step import GraphCost, StepContext, predicted_step_peak, repeated_inputs, step_context
 
 # A step measured over its cap is corrected and planned again at most this
 # many times (each costs a recompile of the step's graphs and a profiled step).
@@ -99,8 +100,23 @@ class _Sequence:
     below_plan_steps: int = 0
     rung: str = OWN
     """The budget the step's graphs plan for (OWN, or a rung of budget.ladder)."""
+    repeated: tuple[frozenset[int], ...] = ()
+    """Per call, the inputs an earlier call of its graph was handed too
+    (``partitioners.step.repeated_inputs``), from the latest step."""
     tried: dict[str, int] = dataclasses.field(default_factory=dict)
     """Rung -> the measured step peak of its plans (the latest, for OWN)."""
+
+
+class _EndedStep(typing.NamedTuple):
+    """A step whose backward ended, to be measured at the next call."""
+
+    sequence: tuple[str, ...]
+    inputs: list[tuple]
+    ran: set
+    meter: object
+    wanted: bool
+    below_plan: bool
+    end_ns: int
 
 
 class StepView:
@@ -109,6 +125,8 @@ class StepView:
 
     def __init__(self):
         self.sequence: list[str] = []
+        self.inputs: list[tuple] = []
+        """Per call of the running step, its inputs' storage identities."""
         self.costs: dict[str, GraphCost] = {}
         self.plans: dict[str, Plan] = {}
         self.rungs: dict[str, dict[str, tuple[GraphCost, tuple[str, ...]]]] = {}
@@ -154,7 +172,7 @@ class StepView:
                 f"runs the plans of {_rung_name(state.rung)}, not its own ({budget}): "
                 f"measured step peaks {_tried_text(state.tried)}"
             )
-        context = step_context(key, sequence, self.costs, state.correction, state.measured, fallback)
+        context = step_context(key, sequence, self.costs, state.correction, state.measured, fallback, state.repeated)
         return context, planned_for
 
     def budget_for(self, key: str, budget: MemoryBudget | None) -> MemoryBudget | None:
@@ -196,7 +214,7 @@ class StepView:
         if self._judge_meter or self.meter_every_step:
             self._meter = _start_meter()
 
-    def after_call(self, key: str, outputs, planned_for: tuple, at_planned_sizes: bool = True) -> None:
+    def after_call(self, key: str, outputs, planned_for: tuple, at_planned_sizes: bool = True, args=()) -> None:
         """Record a training call (one whose outputs need gradients) of a plan
         made for ``planned_for``, and ask to hear when its backward ends.
         A call below the sizes its plan was made for (a shorter batch in a
@@ -211,6 +229,7 @@ class StepView:
             self._below_plan = False
         self._below_plan |= not at_planned_sizes
         self.sequence.append(key)
+        self.inputs.append(tuple(map(_storage_identity, args)))
         self.ran.add((key, planned_for))
         tensor.register_hook(self._on_gradient)
 
@@ -227,20 +246,24 @@ class StepView:
         profiler cannot be stopped here; events after now are not counted."""
         self._ending = False
         sequence, self.sequence = tuple(self.sequence), []
+        inputs, self.inputs = self.inputs, []
         ran, self.ran = self.ran, set()
         if sequence:
-            self._ended = (sequence, ran, self._meter, self._judge_meter, self._below_plan, time.time_ns())
+            self._ended = _EndedStep(
+                sequence, inputs, ran, self._meter, self._judge_meter, self._below_plan, time.time_ns()
+            )
             self._meter = None
 
     def finish_step(self) -> None:
         """Measure the step that ended, if any, and mark what must be planned again."""
         if self._ended is None:
             return
-        (sequence, ran, meter, wanted, below_plan, end_ns), self._ended = self._ended, None
+        (sequence, inputs, ran, meter, wanted, below_plan, end_ns), self._ended = self._ended, None
         self.steps += 1
         if sequence not in self.sequences:
             self._warn_unmatched_regions(sequence)
         state = self.sequences.setdefault(sequence, _Sequence())
+        state.repeated = self._repeated_inputs(sequence, inputs)
         for key in set(sequence):
             self.last_sequence[key] = sequence
         # Whether the plans that ran were made for this step, before the
@@ -257,11 +280,20 @@ class StepView:
             if judge:
                 self._judge(sequence, state, measured, planned_for_it)
             else:
-                predicted = predicted_step_peak(sequence, self.costs)
+                predicted = predicted_step_peak(sequence, self.costs, state.repeated)
                 self.measurements.append(
                     Measurement(self.steps, _sequence_id(sequence), predicted, measured, False, state.rung)
                 )
         self._write_report()
+
+    def _repeated_inputs(self, sequence: tuple[str, ...], inputs: list[tuple]) -> tuple[frozenset[int], ...]:
+        """``repeated_inputs`` of the step, none for a call whose inputs do
+        not line up with its graph's (AOTAutograd merged duplicates)."""
+        repeated = repeated_inputs(sequence, inputs)
+        return tuple(
+            found if key in self.costs and len(identities) == self.costs[key].input_count else frozenset()
+            for key, identities, found in zip(sequence, inputs, repeated)
+        )
 
     def _warn_unmatched_regions(self, sequence: tuple[str, ...]) -> None:
         """Warn once for a per-module budget that no graph of the step has a
@@ -281,7 +313,7 @@ class StepView:
         anyway (its first measurement) or broke its cap; fall back to a
         looser budget's plans where they may peak lower (``_next_rung``);
         settle on the plans that measured lowest otherwise."""
-        predicted = predicted_step_peak(sequence, self.costs)  # the model's own, uncorrected
+        predicted = predicted_step_peak(sequence, self.costs, state.repeated)  # the model's own, uncorrected
         self.measurements.append(Measurement(self.steps, _sequence_id(sequence), predicted, measured, rung=state.rung))
         if planned_for_it:
             state.tried[state.rung] = measured
@@ -324,7 +356,7 @@ class StepView:
                 key: self.rungs.get(key, {}).get(rung, (cost, ()))[0]
                 for key, cost in self.costs.items() if key in sequence
             }
-            predicted = predicted_step_peak(sequence, costs)
+            predicted = predicted_step_peak(sequence, costs, state.repeated)
             if predicted < lowest:
                 candidates.append((predicted, rung))
         return min(candidates)[1] if candidates else None
@@ -359,12 +391,12 @@ class StepView:
         """Stop measuring: a profiler left running would stay on for the
         rest of the process."""
         if self._ended is not None:
-            _stop_meter(self._ended[2], time.time_ns())
+            _stop_meter(self._ended.meter, time.time_ns())
             self._ended = None
         self._drop_step()
 
     def _drop_step(self) -> None:
-        self.sequence, self.ran = [], set()
+        self.sequence, self.inputs, self.ran = [], [], set()
         _stop_meter(self._meter, time.time_ns())
         self._meter = None
 
@@ -490,7 +522,7 @@ class PlannedGraph:
             )
         view.before_call(key)
         outputs = self._compiled[bucket](*args)
-        view.after_call(key, outputs, self._planned_for[bucket], at_planned_sizes=sizes == bucket)
+        view.after_call(key, outputs, self._planned_for[bucket], at_planned_sizes=sizes == bucket, args=args)
         return outputs
 
     def _compile(self, bucket: tuple, example_inputs) -> None:
@@ -608,6 +640,17 @@ def _stop_meter(meter, end_ns: int) -> int | None:
         live += nbytes
         peak = max(peak, live)
     return peak
+
+
+def _storage_identity(value) -> tuple | None:
+    """Which memory a tensor input is (its storage, offset and shape), to
+    tell a tensor handed to several calls from a fresh one each time."""
+    if not isinstance(value, torch.Tensor):
+        return None
+    try:
+        return (value.untyped_storage().data_ptr(), value.storage_offset(), tuple(value.shape))
+    except (RuntimeError, NotImplementedError):  # a tensor without storage
+        return None
 
 
 def _quietly(action):

@@ -54,6 +54,14 @@ class GraphFacts:
     the copy that backward keeps, so saving them costs bytes."""
     forward_outputs: tuple[fx.Node, ...] = ()
     """What forward returns to the caller (the loss, logits...)."""
+    input_gradients: frozenset[fx.Node] = frozenset()
+    """Backward outputs that are gradients of inputs other than parameters
+    and buffers: the activations an earlier graph handed this one (a
+    block's input under per-block compile), whose gradients the earlier
+    graph's backward reads and frees, unlike a parameter's, which stays in
+    ``.grad``. Empty where the graph does not say which inputs are static.
+    A leaf the user hands in with requires_grad is one too, though its
+    gradient stays (a prompt-tuning embedding): the step model misses it."""
     derived: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
     """What later modules build from these facts once per graph and keep
     for its lifetime (partitioners/peak's ``LoweredGraph``, per Inductor
@@ -131,6 +139,7 @@ def classify(
     primals = [p for p in placeholders if compat.is_primal(p)]
     static_indices = set(static_lifetime_input_indices or ())
     static_inputs = frozenset(p for i, p in enumerate(primals) if i in static_indices)
+    input_gradients = _input_gradients(outputs[num_fwd_outputs:], primals, static_lifetime_input_indices)
     inputs = frozenset(primals + [p for p in placeholders if compat.is_fwd_seed_offset(p)])
 
     dist = _distance_from_backward(graph, forward)
@@ -158,6 +167,7 @@ def classify(
         forced_saves=frozenset(_mutation_sources_repeated_in_backward(graph)),
         relaid_inputs=_relaid_inputs(joint_gm, inputs),
         forward_outputs=tuple(forward_outputs),
+        input_gradients=input_gradients,
     )
 
 
@@ -212,6 +222,18 @@ def _is_region_boundary(node: fx.Node) -> bool:
 
 def _tagged_recompute(node: fx.Node) -> bool:
     return node.meta.get("recompute") in (Policy.MUST_RECOMPUTE, Policy.PREFER_RECOMPUTE)
+
+
+def _input_gradients(gradients: list, primals: list[fx.Node], static_indices) -> frozenset[fx.Node]:
+    """The gradients (one per primal, in order, None where there is none)
+    of primals that are not static inputs; none where that is not known."""
+    if static_indices is None or len(gradients) != len(primals):
+        return frozenset()
+    static = set(static_indices)
+    return frozenset(
+        gradient for index, gradient in enumerate(gradients)
+        if isinstance(gradient, fx.Node) and index not in static
+    )
 
 
 def _flat_outputs(graph: fx.Graph) -> list:

@@ -5,11 +5,13 @@ A step is the sequence of compiled-graph calls between two ends of backward
 (forward order; a block graph compiled once may be called once per layer).
 Call ``k`` of a graph keeps ``held`` bytes (its saved values) from its
 forward to its backward, so while call ``k`` runs, every earlier call's held
-bytes are alive, and during its backward every later call's gradients too.
+bytes are alive, and during its backward every later call's parameter
+gradients too (the activation gradient a later call hands it is its
+tangent, in its own backward peak; the ones before were read and freed).
 The step's predicted peak is the largest, over the calls, of
 
     held bytes of the earlier calls + max(own forward peak,
-                                          own backward peak + later calls' gradients)
+                                          own backward peak + later calls' parameter gradients)
 
 (costs add over the calls; docs/budget.md). A graph planned in a step sees the other
 graphs' calls as constants and its own calls through its plan: for a block
@@ -36,9 +38,19 @@ class GraphCost:
     forward_bytes: int
     backward_bytes: int
     gradient_bytes: int
-    """What its backward leaves alive for the rest of backward."""
+    """What its backward leaves alive for the rest of backward: gradients
+    of parameters, not of the activations it was handed (the graph that
+    made them reads and frees them, as its tangents)."""
     optimal_bytes: int = 0
     """Saved bytes of its runtime-optimal plan (a byte budget's share)."""
+    held_inputs: tuple[tuple[int, int], ...] = ()
+    """The inputs among ``held_bytes``: (position, bytes)."""
+    input_count: int = 0
+
+    def held_in(self, repeated: frozenset[int]) -> int:
+        """Held bytes of a call whose inputs at ``repeated`` positions an
+        earlier call of the graph was handed too (held once, then)."""
+        return self.held_bytes - sum(nbytes for position, nbytes in self.held_inputs if position in repeated)
 
     @classmethod
     def of(cls, peak: PeakEstimate | None, optimal_bytes: int = 0) -> "GraphCost":
@@ -48,8 +60,10 @@ class GraphCost:
             peak.held_bytes + peak.held_input_bytes,
             peak.forward_bytes,
             peak.backward_bytes,
-            peak.gradient_bytes,
+            peak.gradient_bytes - peak.input_gradient_bytes,
             optimal_bytes,
+            peak.held_inputs,
+            peak.input_count,
         )
 
     def call_peak(self, later_gradients: int) -> int:
@@ -62,8 +76,9 @@ class Moment:
 
     held_before: int
     """Held bytes of the other graphs' earlier calls."""
-    own_before: int
-    """This graph's earlier calls (each holds the plan's held bytes)."""
+    own_before: tuple[frozenset[int], ...]
+    """This graph's earlier calls, each as the positions of its inputs an
+    earlier call was handed too (each holds the plan's held bytes less those)."""
     own: bool
     """A call of this graph: its own peak adds; otherwise ``peak`` does."""
     peak: int = 0
@@ -91,7 +106,7 @@ class StepContext:
         """The step's predicted (and corrected) peak if this graph plans ``cost``."""
         peak = max(
             (
-                m.held_before + m.own_before * cost.held_bytes
+                m.held_before + sum(cost.held_in(repeated) for repeated in m.own_before)
                 + (cost.call_peak(m.later_gradients) if m.own else m.peak)
                 for m in self.moments
             ),
@@ -116,37 +131,69 @@ def step_context(
     correction: float = 1.0,
     measured: bool = False,
     fallback: str | None = None,
+    repeated: Sequence[frozenset[int]] = (),
 ) -> StepContext:
     """The context of graph ``key`` in a step that called ``sequence``; a
-    graph of unknown cost counts as nothing (the measurement corrects it)."""
+    graph of unknown cost counts as nothing (the measurement corrects it).
+    ``repeated`` (``repeated_inputs``) says, per call, which inputs an
+    earlier call of its graph was handed too."""
     unknown = GraphCost(0, 0, 0, 0)
     own = costs.get(key, unknown)
     later = _later_gradients(sequence, costs)
-    moments, held_before, own_before = [], 0, 0
+    repeated = _per_call(repeated, sequence)
+    moments, held_before, own_before = [], 0, ()
     for index, name in enumerate(sequence):
         cost = costs.get(name, unknown)
         if name == key:
             moments.append(Moment(held_before, own_before, True, later_gradients=later[index]))
-            own_before += 1
+            own_before += (repeated[index],)
         else:
             moments.append(Moment(held_before, own_before, False, peak=cost.call_peak(later[index])))
-            held_before += cost.held_bytes
+            held_before += cost.held_in(repeated[index])
     step_optimal = sum(costs.get(name, unknown).optimal_bytes for name in sequence)
     share = own.optimal_bytes / step_optimal if step_optimal and own.optimal_bytes else 1.0
-    return StepContext(tuple(moments), own_before, correction, measured, share, fallback)
+    return StepContext(tuple(moments), len(own_before), correction, measured, share, fallback)
 
 
-def predicted_step_peak(sequence: Sequence[str], costs: Mapping[str, GraphCost]) -> int:
+def predicted_step_peak(sequence: Sequence[str], costs: Mapping[str, GraphCost],
+                        repeated: Sequence[frozenset[int]] = ()) -> int:
     """The step's predicted peak with every graph at its current cost."""
     later = _later_gradients(sequence, costs)
+    repeated = _per_call(repeated, sequence)
     peak = held = 0
     for index, name in enumerate(sequence):
         cost = costs.get(name)
         if cost is None:
             continue
         peak = max(peak, held + cost.call_peak(later[index]))
-        held += cost.held_bytes
+        held += cost.held_in(repeated[index])
     return peak
+
+
+def repeated_inputs(sequence: Sequence[str], storages: Sequence[tuple]) -> tuple[frozenset[int], ...]:
+    """Per call of ``sequence``, the positions of its inputs whose storage
+    (``storages``: per call, one identity per input, None for a non-tensor)
+    an earlier call of the same graph was handed at the same position: a
+    mask or rotary table that every block's call saves is held once.
+    Identities are compared, never kept, so the result is the same on
+    every rank."""
+    seen: dict[tuple[str, int], set] = {}
+    result = []
+    for name, identities in zip(sequence, storages):
+        repeated = set()
+        for position, identity in enumerate(identities):
+            if identity is None:
+                continue
+            earlier = seen.setdefault((name, position), set())
+            if identity in earlier:
+                repeated.add(position)
+            earlier.add(identity)
+        result.append(frozenset(repeated))
+    return tuple(result)
+
+
+def _per_call(repeated: Sequence[frozenset[int]], sequence: Sequence[str]) -> tuple[frozenset[int], ...]:
+    return tuple(repeated) if len(repeated) == len(sequence) else (frozenset(),) * len(sequence)
 
 
 def _later_gradients(sequence: Sequence[str], costs: Mapping[str, GraphCost]) -> list[int]:

@@ -321,10 +321,10 @@ def test_predicted_step_peak_composes_graphs_in_run_order():
     # The loss graph runs after the model's forward holds 60 + 10 bytes, and
     # its gradient (10) is alive while the model's backward runs.
     assert predicted_step_peak([Planned(model), Planned(loss)]) == max(100, 300 + 10, 70 + 5, 60 + 20)
-    # When that gradient is the model's tangent, the model's backward peak
-    # already counts it.
-    handed = dataclasses.replace(model, tangent_bytes=10)
-    assert predicted_step_peak([Planned(handed), Planned(loss)]) == max(100, 300, 70 + 5, 60 + 20)
+    # When that gradient is of the activation the model handed the loss
+    # graph, it is the model's tangent, which its backward peak counts.
+    handed = dataclasses.replace(loss, input_gradient_bytes=10)
+    assert predicted_step_peak([Planned(model), Planned(handed)]) == max(100, 300, 70 + 5, 60 + 20)
     assert predicted_step_peak([Planned(model), object()]) is None  # a graph without a prediction
     assert predicted_step_peak([]) is None
 

@@ -547,3 +547,22 @@ def test_a_reader_lowered_before_the_matmul_that_writes_a_value_computes_it(redu
     reads = buffer_reads(facts, order, buffers, late=late)
     assert reads[total] == ({a, b} if reduction_first else {g})
     assert buffer_reads(facts, order, buffers)[total] == {g}  # without ``late``: read as written
+
+
+def test_an_activation_inputs_gradient_and_saved_input_are_told_apart_from_parameters():
+    # Dynamo marks the Linear's weight and bias static: their gradients stay
+    # in .grad, while x's goes back to whoever made x. x is saved (for the
+    # weight's gradient) as the batch input at its position among the inputs.
+    layer = torch.nn.Linear(64, 32)
+    x = torch.randn(16, 64, requires_grad=True)
+    backend = make_backend(Config())
+    torch._dynamo.reset()
+    torch.compile(lambda x: torch.relu(layer(x)), backend=backend)(x).sum().backward()
+    torch._dynamo.reset()
+    (plan,) = backend.plans
+    peak = plan.peak_estimate
+    assert peak.input_gradient_bytes == x.numel() * 4
+    assert peak.gradient_bytes == (x.numel() + layer.weight.numel() + layer.bias.numel()) * 4
+    assert peak.input_count == 3
+    ((position, nbytes),) = peak.held_inputs
+    assert nbytes == x.numel() * 4 and 0 <= position < 3

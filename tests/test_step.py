@@ -1,8 +1,10 @@
 """The step model (partitioners/step.py): a graph's plan judged in the
 step it runs in, on hand-made sequences with hand-computed peaks."""
+import dataclasses
+
 import pytest
 
-from partitioners.step import GraphCost, predicted_step_peak, step_context
+from partitioners.step import GraphCost, predicted_step_peak, repeated_inputs, step_context
 
 A = GraphCost(held_bytes=10, forward_bytes=5, backward_bytes=20, gradient_bytes=3, optimal_bytes=30)
 B = GraphCost(held_bytes=7, forward_bytes=4, backward_bytes=9, gradient_bytes=1, optimal_bytes=10)
@@ -54,3 +56,44 @@ def test_correction_and_byte_share():
 def test_unknown_graphs_count_as_nothing():
     assert predicted_step_peak(["A", "fallback"], {"A": A}) == predicted_step_peak(["A"], {"A": A})
     assert step_context("A", ["fallback", "A"], {"A": A}).step_peak(A) == A.call_peak(0)
+
+
+def test_repeated_inputs_are_those_an_earlier_call_of_the_graph_was_handed():
+    # Per call, one identity per input (None: not a tensor). The mask (m) is
+    # handed to every block call at position 1; each call's hidden state is new.
+    sequence = ["block", "block", "head", "block"]
+    inputs = [("h0", "m", None), ("h1", "m", None), ("h2", "m"), ("h3", "m", None)]
+    assert repeated_inputs(sequence, inputs) == (frozenset(), {1}, frozenset(), {1})
+    # The same tensor at another position, or in another graph, is not a repeat.
+    assert repeated_inputs(["a", "a", "b"], [("x", "y"), ("y", "x"), ("x", "y")]) == (frozenset(),) * 3
+
+
+def test_a_tensor_handed_to_every_call_is_held_once():
+    # Each call of the block holds 10 bytes of its own and a 50-byte mask at
+    # input 1; four calls hand it the same mask: held 60 + 3 * 10 before the
+    # last call, whose backward peaks at 100. Not knowing that: 4 * 60.
+    block = GraphCost(held_bytes=60, forward_bytes=70, backward_bytes=100, gradient_bytes=0,
+                      held_inputs=((1, 50),), input_count=2)
+    sequence = ["block"] * 4
+    repeated = repeated_inputs(sequence, [(f"h{i}", "mask") for i in range(4)])
+    assert predicted_step_peak(sequence, {"block": block}, repeated) == 60 + 2 * 10 + 100
+    assert predicted_step_peak(sequence, {"block": block}) == 3 * 60 + 100
+    context = step_context("block", sequence, {"block": block}, repeated=repeated)
+    assert context.step_peak(block) == 60 + 2 * 10 + 100
+    # A plan that does not save the mask holds only its own bytes.
+    lean = dataclasses.replace(block, held_bytes=10, held_inputs=())
+    assert context.step_peak(lean) == 3 * 10 + 100
+
+
+def test_activation_gradients_a_call_hands_back_are_not_held_for_the_step():
+    # A block's backward returns its parameters' gradients (8 bytes, kept in
+    # .grad) and its input's (32 bytes), which the call before it reads as
+    # its tangent and frees: only the 8 stay for the rest of backward.
+    from partitioners.peak import PeakEstimate
+
+    peak = PeakEstimate(forward_bytes=5, backward_bytes=50, held_bytes=10, gradient_bytes=40,
+                        input_gradient_bytes=32, tangent_bytes=32)
+    cost = GraphCost.of(peak)
+    assert cost.gradient_bytes == 8
+    # Three calls: the first one's backward sees the later two's parameter gradients.
+    assert predicted_step_peak(["block"] * 3, {"block": cost}) == max(2 * 10 + 50, 10 + 50 + 8, 50 + 16)

@@ -101,6 +101,14 @@ def test_per_block_budget_is_judged_on_the_step():
     assert view.recompiles == 1  # the plan made alone, replaced once
     assert peak < alone_peak and peak <= 1.05 * checkpointed, (peak, alone_peak, checkpointed)
     assert losses == alone_losses
+    # The rotary tables are handed to every layer's call: after the first
+    # call they are the same tensors, which a plan that saves them holds once.
+    (state,) = view.sequences.values()
+    assert state.repeated[0] == frozenset() and state.repeated[1] == state.repeated[2] != frozenset()
+    # The uncorrected model of the step, against its first measurement: the
+    # layers' activation gradients and shared tables are not counted per call.
+    first = view.measurements[0]
+    assert abs(first.ratio - 1) < 0.05, (first.predicted_bytes, first.measured_bytes)
 
 
 def test_peak_cap_holds_for_the_step_and_is_measured():

@@ -8,6 +8,8 @@ import dataclasses
 
 import torch.fx as fx
 
+import ckpt_compat as compat
+
 from ..classify import GraphFacts
 from .buffers import buffer_reads, materialized
 from .layouts import copy_steps, relaid_contiguous
@@ -30,6 +32,10 @@ class PeakEstimate:
     """What forward returns, beyond saved values."""
     gradient_bytes: int = 0
     """What backward returns: gradients of parameters and inputs."""
+    input_gradient_bytes: int = 0
+    """The part of ``gradient_bytes`` that is gradients of activations an
+    earlier graph made (``GraphFacts.input_gradients``): that graph's
+    backward frees them, so they do not stay for the rest of backward."""
     tangent_bytes: int = 0
     """What backward is handed: gradients of forward's outputs, returned by
     the graphs that ran after this one (counted in ``backward_bytes``)."""
@@ -37,6 +43,12 @@ class PeakEstimate:
     """Batch inputs (not parameters) saved for backward: free within this
     graph, whose caller holds them, but kept for the step when an earlier
     graph produced them (a block's input under per-block compile)."""
+    held_inputs: tuple[tuple[int, int], ...] = ()
+    """``held_input_bytes`` by input: (position among the graph's inputs,
+    bytes). A step that hands every call of a block the same tensor (an
+    attention mask) holds it once (``partitioners.step``)."""
+    input_count: int = 0
+    """How many inputs the graph takes (what positions are checked against)."""
 
     @property
     def step_bytes(self) -> int:
@@ -55,20 +67,36 @@ def estimate_step_peak(facts: GraphFacts, saved, backward_trace: list | None = N
     order = backward_schedule(facts, saved)
     tangents = {n for n in order if n.op == "placeholder" and n not in facts.inputs}
     gradients = {owner(n, facts, lowered) for n in facts.backward_outputs}
+    held_inputs = _saved_batch_inputs(facts, saved)
+    positions = _input_positions(facts)
+    passed = {owner(n, facts, lowered) for n in facts.input_gradients} - {
+        owner(n, facts, lowered) for n in set(facts.backward_outputs) - facts.input_gradients
+    }
     backward_peak = walk(facts, order, kept=gradients, start=held | tangents, trace=backward_trace, lowered=lowered)
     return PeakEstimate(
         forward_peak, backward_peak,
         held_bytes=sum(facts.nodes[n].nbytes for n in held),
         output_bytes=sum(facts.nodes[n].nbytes for n in outputs - held),
         gradient_bytes=sum(facts.nodes[n].nbytes for n in gradients - facts.free_inputs),
+        input_gradient_bytes=sum(facts.nodes[n].nbytes for n in passed - facts.free_inputs),
         tangent_bytes=sum(facts.nodes[n].nbytes for n in tangents),
-        held_input_bytes=sum(facts.nodes[n].nbytes for n in _saved_batch_inputs(facts, saved)),
+        held_input_bytes=sum(facts.nodes[n].nbytes for n in held_inputs),
+        held_inputs=tuple(sorted((positions.get(n, -1), facts.nodes[n].nbytes) for n in held_inputs)),  # -1: an RNG seed
+        input_count=len(positions),
     )
 
 
 def _saved_batch_inputs(facts: GraphFacts, saved: set[fx.Node]) -> set[fx.Node]:
     roots = {facts.nodes[node].storage_root for node in saved}
     return roots & (facts.free_inputs - facts.static_inputs)
+
+
+def _input_positions(facts: GraphFacts) -> dict[fx.Node, int]:
+    """Each primal input's position among the graph's inputs (the order
+    Dynamo calls the compiled graph with)."""
+    graph = next(iter(facts.nodes)).graph
+    primals = [p for p in graph.find_nodes(op="placeholder") if compat.is_primal(p)]
+    return {p: i for i, p in enumerate(primals)}
 
 
 def _outputs(facts: GraphFacts, lowered: LoweredGraph) -> set[fx.Node]:
