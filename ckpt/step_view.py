@@ -39,6 +39,7 @@ import typing
 
 import torch
 import torch.fx as fx
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import ckpt_compat as compat
@@ -107,6 +108,31 @@ class _Sequence:
     """Rung -> the measured step peak of its plans (the latest, for OWN)."""
 
 
+class _InputIdentities:
+    """Names the tensors handed to a step's calls, to tell one handed to
+    several calls from a fresh one each time: the same live storage, offset
+    and shape get the same name; memory freed and allocated again (a block's
+    input it did not save) gets a new one. Parameters are not named (never
+    a batch input)."""
+
+    def __init__(self):
+        self._storages: dict[int, tuple[object, int]] = {}  # address -> (weak reference, generation)
+
+    def of(self, value) -> tuple | None:
+        if not isinstance(value, torch.Tensor) or isinstance(value, torch.nn.Parameter):
+            return None
+        try:
+            storage = value.untyped_storage()
+            address = storage.data_ptr()
+        except (RuntimeError, NotImplementedError):  # a tensor without storage
+            return None
+        known = self._storages.get(address)
+        if known is None or known[0].expired():
+            known = (StorageWeakRef(storage), 0 if known is None else known[1] + 1)
+            self._storages[address] = known
+        return (address, known[1], value.storage_offset(), tuple(value.shape))
+
+
 class _EndedStep(typing.NamedTuple):
     """A step whose backward ended, to be measured at the next call."""
 
@@ -127,6 +153,7 @@ class StepView:
         self.sequence: list[str] = []
         self.inputs: list[tuple] = []
         """Per call of the running step, its inputs' storage identities."""
+        self._identities = _InputIdentities()
         self.costs: dict[str, GraphCost] = {}
         self.plans: dict[str, Plan] = {}
         self.rungs: dict[str, dict[str, tuple[GraphCost, tuple[str, ...]]]] = {}
@@ -229,7 +256,7 @@ class StepView:
             self._below_plan = False
         self._below_plan |= not at_planned_sizes
         self.sequence.append(key)
-        self.inputs.append(tuple(map(_storage_identity, args)))
+        self.inputs.append(tuple(map(self._identities.of, args)))
         self.ran.add((key, planned_for))
         tensor.register_hook(self._on_gradient)
 
@@ -247,6 +274,7 @@ class StepView:
         self._ending = False
         sequence, self.sequence = tuple(self.sequence), []
         inputs, self.inputs = self.inputs, []
+        self._identities = _InputIdentities()
         ran, self.ran = self.ran, set()
         if sequence:
             self._ended = _EndedStep(
@@ -397,6 +425,7 @@ class StepView:
 
     def _drop_step(self) -> None:
         self.sequence, self.inputs, self.ran = [], [], set()
+        self._identities = _InputIdentities()
         _stop_meter(self._meter, time.time_ns())
         self._meter = None
 
@@ -640,17 +669,6 @@ def _stop_meter(meter, end_ns: int) -> int | None:
         live += nbytes
         peak = max(peak, live)
     return peak
-
-
-def _storage_identity(value) -> tuple | None:
-    """Which memory a tensor input is (its storage, offset and shape), to
-    tell a tensor handed to several calls from a fresh one each time."""
-    if not isinstance(value, torch.Tensor):
-        return None
-    try:
-        return (value.untyped_storage().data_ptr(), value.storage_offset(), tuple(value.shape))
-    except (RuntimeError, NotImplementedError):  # a tensor without storage
-        return None
 
 
 def _quietly(action):

@@ -62,6 +62,8 @@ class GraphFacts:
     ``.grad``. Empty where the graph does not say which inputs are static.
     A leaf the user hands in with requires_grad is one too, though its
     gradient stays (a prompt-tuning embedding): the step model misses it."""
+    input_gradient_positions: tuple[tuple[int, fx.Node], ...] = ()
+    """``input_gradients`` with the position of the input each is the gradient of."""
     derived: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
     """What later modules build from these facts once per graph and keep
     for its lifetime (partitioners/peak's ``LoweredGraph``, per Inductor
@@ -139,7 +141,7 @@ def classify(
     primals = [p for p in placeholders if compat.is_primal(p)]
     static_indices = set(static_lifetime_input_indices or ())
     static_inputs = frozenset(p for i, p in enumerate(primals) if i in static_indices)
-    input_gradients = _input_gradients(outputs[num_fwd_outputs:], primals, static_lifetime_input_indices)
+    input_gradient_positions = _input_gradients(outputs[num_fwd_outputs:], primals, static_lifetime_input_indices)
     inputs = frozenset(primals + [p for p in placeholders if compat.is_fwd_seed_offset(p)])
 
     dist = _distance_from_backward(graph, forward)
@@ -167,7 +169,8 @@ def classify(
         forced_saves=frozenset(_mutation_sources_repeated_in_backward(graph)),
         relaid_inputs=_relaid_inputs(joint_gm, inputs),
         forward_outputs=tuple(forward_outputs),
-        input_gradients=input_gradients,
+        input_gradients=frozenset(gradient for _, gradient in input_gradient_positions),
+        input_gradient_positions=input_gradient_positions,
     )
 
 
@@ -224,14 +227,15 @@ def _tagged_recompute(node: fx.Node) -> bool:
     return node.meta.get("recompute") in (Policy.MUST_RECOMPUTE, Policy.PREFER_RECOMPUTE)
 
 
-def _input_gradients(gradients: list, primals: list[fx.Node], static_indices) -> frozenset[fx.Node]:
-    """The gradients (one per primal, in order, None where there is none)
-    of primals that are not static inputs; none where that is not known."""
+def _input_gradients(gradients: list, primals: list[fx.Node], static_indices) -> tuple[tuple[int, fx.Node], ...]:
+    """(position, gradient) of the gradients (one per primal, in order, None
+    where there is none) of primals that are not static inputs; none where
+    that is not known."""
     if static_indices is None or len(gradients) != len(primals):
-        return frozenset()
+        return ()
     static = set(static_indices)
-    return frozenset(
-        gradient for index, gradient in enumerate(gradients)
+    return tuple(
+        (index, gradient) for index, gradient in enumerate(gradients)
         if isinstance(gradient, fx.Node) and index not in static
     )
 

@@ -46,6 +46,8 @@ class GraphCost:
     held_inputs: tuple[tuple[int, int], ...] = ()
     """The inputs among ``held_bytes``: (position, bytes)."""
     input_count: int = 0
+    input_gradients: tuple[tuple[int, int], ...] = ()
+    """Gradients of its inputs, not in ``gradient_bytes``: (position, bytes)."""
 
     def held_in(self, repeated: frozenset[int]) -> int:
         """Held bytes of a call whose inputs at ``repeated`` positions an
@@ -64,6 +66,7 @@ class GraphCost:
             optimal_bytes,
             peak.held_inputs,
             peak.input_count,
+            peak.input_gradients,
         )
 
     def call_peak(self, later_gradients: int) -> int:
@@ -139,8 +142,8 @@ def step_context(
     earlier call of its graph was handed too."""
     unknown = GraphCost(0, 0, 0, 0)
     own = costs.get(key, unknown)
-    later = _later_gradients(sequence, costs)
     repeated = _per_call(repeated, sequence)
+    later = _later_gradients(sequence, costs, repeated)
     moments, held_before, own_before = [], 0, ()
     for index, name in enumerate(sequence):
         cost = costs.get(name, unknown)
@@ -158,8 +161,8 @@ def step_context(
 def predicted_step_peak(sequence: Sequence[str], costs: Mapping[str, GraphCost],
                         repeated: Sequence[frozenset[int]] = ()) -> int:
     """The step's predicted peak with every graph at its current cost."""
-    later = _later_gradients(sequence, costs)
     repeated = _per_call(repeated, sequence)
+    later = _later_gradients(sequence, costs, repeated)
     peak = held = 0
     for index, name in enumerate(sequence):
         cost = costs.get(name)
@@ -174,9 +177,10 @@ def repeated_inputs(sequence: Sequence[str], storages: Sequence[tuple]) -> tuple
     """Per call of ``sequence``, the positions of its inputs whose storage
     (``storages``: per call, one identity per input, None for a non-tensor)
     an earlier call of the same graph was handed at the same position: a
-    mask or rotary table that every block's call saves is held once.
-    Identities are compared, never kept, so the result is the same on
-    every rank."""
+    mask or rotary table that every block's call saves is held once. An
+    identity names one live tensor (the step view's ``_InputIdentities``
+    never reuses one for memory freed and allocated again), so the result
+    follows the program, the same on every rank."""
     seen: dict[tuple[str, int], set] = {}
     result = []
     for name, identities in zip(sequence, storages):
@@ -196,12 +200,21 @@ def _per_call(repeated: Sequence[frozenset[int]], sequence: Sequence[str]) -> tu
     return tuple(repeated) if len(repeated) == len(sequence) else (frozenset(),) * len(sequence)
 
 
-def _later_gradients(sequence: Sequence[str], costs: Mapping[str, GraphCost]) -> list[int]:
+def _later_gradients(sequence: Sequence[str], costs: Mapping[str, GraphCost],
+                     repeated: Sequence[frozenset[int]]) -> list[int]:
     """Per call, the gradients the step's later calls leave alive (backward
-    runs them first)."""
+    runs them first): their parameters', and one copy of the gradient of a
+    tensor handed to several calls of a graph (an encoder's output to every
+    decoder block), which autograd sums from the last of them on."""
+    shared: dict[tuple[str, int], tuple[int, int]] = {}  # (graph, input) -> (last call, bytes)
+    for index, name in enumerate(sequence):
+        cost = costs.get(name)
+        for position, nbytes in cost.input_gradients if cost is not None else ():
+            if position in repeated[index] or (name, position) in shared:
+                shared[(name, position)] = (index, nbytes)
     later, total = [0] * len(sequence), 0
     for index in range(len(sequence) - 1, -1, -1):
-        later[index] = total
+        later[index] = total + sum(nbytes for last, nbytes in shared.values() if last > index)
         cost = costs.get(sequence[index])
         total += cost.gradient_bytes if cost is not None else 0
     return later

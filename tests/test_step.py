@@ -91,9 +91,23 @@ def test_activation_gradients_a_call_hands_back_are_not_held_for_the_step():
     # its tangent and frees: only the 8 stay for the rest of backward.
     from partitioners.peak import PeakEstimate
 
-    peak = PeakEstimate(forward_bytes=5, backward_bytes=50, held_bytes=10, gradient_bytes=40,
-                        input_gradient_bytes=32, tangent_bytes=32)
+    peak = PeakEstimate(forward_bytes=5, backward_bytes=50, held_bytes=1, gradient_bytes=40,
+                        input_gradient_bytes=32, tangent_bytes=32, input_gradients=((0, 32),), input_count=2)
     cost = GraphCost.of(peak)
     assert cost.gradient_bytes == 8
-    # Three calls: the first one's backward sees the later two's parameter gradients.
-    assert predicted_step_peak(["block"] * 3, {"block": cost}) == max(2 * 10 + 50, 10 + 50 + 8, 50 + 16)
+    # Three calls: the first one's backward sees the later two's parameter
+    # gradients (16), the second one's the last's (8), the last none.
+    assert predicted_step_peak(["block"] * 3, {"block": cost}) == 50 + 16 == max(50 + 16, 1 + 50 + 8, 2 + 50)
+
+
+def test_the_gradient_of_a_tensor_handed_to_several_calls_is_alive_once():
+    # An encoder's output handed to every decoder block (input 1, 32 bytes):
+    # autograd sums its gradients from the last block's backward on, one
+    # copy, until the encoder's backward reads it.
+    block = GraphCost(held_bytes=0, forward_bytes=0, backward_bytes=50, gradient_bytes=0,
+                      input_count=2, input_gradients=((0, 32), (1, 32)))
+    sequence = ["block"] * 3
+    repeated = repeated_inputs(sequence, [(f"h{i}", "encoder") for i in range(3)])
+    assert predicted_step_peak(sequence, {"block": block}, repeated) == 50 + 32
+    assert predicted_step_peak(sequence, {"block": block}) == 50  # handed to one call each: freed by the one before
+    assert step_context("block", sequence, {"block": block}, repeated=repeated).step_peak(block) == 50 + 32

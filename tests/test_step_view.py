@@ -105,6 +105,9 @@ def test_per_block_budget_is_judged_on_the_step():
     # call they are the same tensors, which a plan that saves them holds once.
     (state,) = view.sequences.values()
     assert state.repeated[0] == frozenset() and state.repeated[1] == state.repeated[2] != frozenset()
+    # Each layer's hidden-state input (the one with a gradient) is new each call.
+    hidden = {position for position, _ in plan.peak_estimate.input_gradients}
+    assert hidden and not hidden & state.repeated[1]
     # The uncorrected model of the step, against its first measurement: the
     # layers' activation gradients and shared tables are not counted per call.
     first = view.measurements[0]
@@ -253,3 +256,26 @@ def test_a_peak_cap_over_per_module_budgets_holds_for_the_step():
     assert {row.key for row in plan.regions} == {"model.layers.0", "model.layers.1", "(rest)"}
     assert plan.budget_note is not None and "cap" in plan.budget_note, plan.budget_note
     assert peak <= 1.03 * cap, (peak, cap)
+
+
+def test_a_tensor_freed_and_its_memory_reused_is_a_new_input():
+    """The view names a step's inputs by their live storage: a tensor handed
+    twice has one name; memory freed and allocated again (a block's input
+    it did not save) gets a new one, so it is not taken for a repeat."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    names = step_view._InputIdentities()
+    kept = torch.randn(4096)
+    assert names.of(kept) == names.of(kept[:]) and names.of(kept[1:]) != names.of(kept)
+    assert names.of(torch.nn.Parameter(torch.randn(2))) is None and names.of(3) is None
+    # A tensor named at an address, then freed; the allocator hands the
+    # address to a new tensor (played here: the record of the freed one is
+    # put at the new tensor's address, which the allocator may or may not reuse).
+    freed = torch.randn(4096)
+    record = (StorageWeakRef(freed.untyped_storage()), 0)
+    del freed
+    again = torch.randn(4096)
+    names._storages[again.untyped_storage().data_ptr()] = record
+    assert record[0].expired()
+    assert names.of(again)[1] == 1  # a new generation: not the freed tensor's name
+    assert names.of(again) == names.of(again)

@@ -49,6 +49,8 @@ class PeakEstimate:
     attention mask) holds it once (``partitioners.step``)."""
     input_count: int = 0
     """How many inputs the graph takes (what positions are checked against)."""
+    input_gradients: tuple[tuple[int, int], ...] = ()
+    """``input_gradient_bytes`` by input: (position, bytes)."""
 
     @property
     def step_bytes(self) -> int:
@@ -83,6 +85,7 @@ def estimate_step_peak(facts: GraphFacts, saved, backward_trace: list | None = N
         held_input_bytes=sum(facts.nodes[n].nbytes for n in held_inputs),
         held_inputs=tuple(sorted((positions.get(n, -1), facts.nodes[n].nbytes) for n in held_inputs)),  # -1: an RNG seed
         input_count=len(positions),
+        input_gradients=_gradients_by_position(facts),
     )
 
 
@@ -97,6 +100,12 @@ def _input_positions(facts: GraphFacts) -> dict[fx.Node, int]:
     graph = next(iter(facts.nodes)).graph
     primals = [p for p in graph.find_nodes(op="placeholder") if compat.is_primal(p)]
     return {p: i for i, p in enumerate(primals)}
+
+
+def _gradients_by_position(facts: GraphFacts) -> tuple[tuple[int, int], ...]:
+    """(position, bytes) of each input gradient."""
+    return tuple(sorted((position, facts.nodes[gradient].nbytes)
+                        for position, gradient in facts.input_gradient_positions))
 
 
 def _outputs(facts: GraphFacts, lowered: LoweredGraph) -> set[fx.Node]:
