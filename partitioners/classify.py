@@ -54,20 +54,26 @@ class GraphFacts:
     the copy that backward keeps, so saving them costs bytes."""
     forward_outputs: tuple[fx.Node, ...] = ()
     """What forward returns to the caller (the loss, logits...)."""
-    input_gradients: frozenset[fx.Node] = frozenset()
-    """Backward outputs that are gradients of inputs other than parameters
-    and buffers: the activations an earlier graph handed this one (a
+    input_positions: dict[fx.Node, int] = dataclasses.field(default_factory=dict)
+    """Each primal's position among the graph's inputs (the order Dynamo
+    calls the compiled graph with)."""
+    input_gradient_positions: tuple[tuple[int, fx.Node], ...] = ()
+    """(position, gradient) of the backward outputs that are gradients of
+    inputs other than parameters and buffers: the activations an earlier graph handed this one (a
     block's input under per-block compile), whose gradients the earlier
     graph's backward reads and frees, unlike a parameter's, which stays in
     ``.grad``. Empty where the graph does not say which inputs are static.
     A leaf the user hands in with requires_grad is one too, though its
     gradient stays (a prompt-tuning embedding): the step model misses it."""
-    input_gradient_positions: tuple[tuple[int, fx.Node], ...] = ()
-    """``input_gradients`` with the position of the input each is the gradient of."""
     derived: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
     """What later modules build from these facts once per graph and keep
     for its lifetime (partitioners/peak's ``LoweredGraph``, per Inductor
     setting), keyed by their builder; not part of the facts themselves."""
+
+    @property
+    def input_gradients(self) -> frozenset[fx.Node]:
+        """The gradients of ``input_gradient_positions``."""
+        return frozenset(gradient for _, gradient in self.input_gradient_positions)
 
     @property
     def free_inputs(self) -> frozenset[fx.Node]:
@@ -169,7 +175,7 @@ def classify(
         forced_saves=frozenset(_mutation_sources_repeated_in_backward(graph)),
         relaid_inputs=_relaid_inputs(joint_gm, inputs),
         forward_outputs=tuple(forward_outputs),
-        input_gradients=frozenset(gradient for _, gradient in input_gradient_positions),
+        input_positions={primal: index for index, primal in enumerate(primals)},
         input_gradient_positions=input_gradient_positions,
     )
 

@@ -8,8 +8,6 @@ import dataclasses
 
 import torch.fx as fx
 
-import ckpt_compat as compat
-
 from ..classify import GraphFacts
 from .buffers import buffer_reads, materialized
 from .layouts import copy_steps, relaid_contiguous
@@ -70,9 +68,10 @@ def estimate_step_peak(facts: GraphFacts, saved, backward_trace: list | None = N
     tangents = {n for n in order if n.op == "placeholder" and n not in facts.inputs}
     gradients = {owner(n, facts, lowered) for n in facts.backward_outputs}
     held_inputs = _saved_batch_inputs(facts, saved)
-    positions = _input_positions(facts)
-    passed = {owner(n, facts, lowered) for n in facts.input_gradients} - {
-        owner(n, facts, lowered) for n in set(facts.backward_outputs) - facts.input_gradients
+    positions = facts.input_positions
+    input_gradients = facts.input_gradients
+    passed = {owner(n, facts, lowered) for n in input_gradients} - {
+        owner(n, facts, lowered) for n in set(facts.backward_outputs) - input_gradients
     }
     backward_peak = walk(facts, order, kept=gradients, start=held | tangents, trace=backward_trace, lowered=lowered)
     return PeakEstimate(
@@ -92,14 +91,6 @@ def estimate_step_peak(facts: GraphFacts, saved, backward_trace: list | None = N
 def _saved_batch_inputs(facts: GraphFacts, saved: set[fx.Node]) -> set[fx.Node]:
     roots = {facts.nodes[node].storage_root for node in saved}
     return roots & (facts.free_inputs - facts.static_inputs)
-
-
-def _input_positions(facts: GraphFacts) -> dict[fx.Node, int]:
-    """Each primal input's position among the graph's inputs (the order
-    Dynamo calls the compiled graph with)."""
-    graph = next(iter(facts.nodes)).graph
-    primals = [p for p in graph.find_nodes(op="placeholder") if compat.is_primal(p)]
-    return {p: i for i, p in enumerate(primals)}
 
 
 def _gradients_by_position(facts: GraphFacts) -> tuple[tuple[int, int], ...]:
