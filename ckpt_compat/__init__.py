@@ -19,6 +19,7 @@ import torch.fx as fx
 from torch._functorch import partitioners as _torch_partitioners
 from torch._functorch._aot_autograd import utils as _aot_utils
 from torch._functorch._aot_autograd.graph_compile import is_opaque_node
+from torch._functorch._aot_autograd import descriptors as _descriptors
 # Dynamo wraps an exception a backend raises in BackendCompilerFailed, whose
 # first line is "backend='...' raised:", except for ShortenTraceback and its
 # subclasses, which it re-raises as they are. Inductor's own set-up errors
@@ -46,6 +47,9 @@ __all__ = [
     "ShortenTraceback",
     "SizeSymbol",
     "after_backward",
+    "argument_index",
+    "gradient_of",
+    "is_effect_token",
     "InductorChoices",
     "V",
     "compile_fx",
@@ -93,6 +97,31 @@ is_tangent = _aot_utils._is_tangent
 is_fwd_seed_offset = _aot_utils._is_fwd_seed_offset
 is_bwd_seed_offset = _aot_utils._is_bwd_seed_offset
 is_with_effects = _aot_utils.is_with_effects
+
+# AOTAutograd describes each joint-graph input and output (meta["desc"]):
+# exact where names and order are not (effect tokens come first among the
+# primals; a gradient's place in the outputs is its primal's only without them).
+def argument_index(node: fx.Node) -> int | None:
+    """The index, among the arguments the compiled graph is called with, of
+    a primal that is one of them as is; None for other inputs (parameters
+    AOTAutograd lifted itself, effect tokens, synthetic bases)."""
+    desc = node.meta.get("desc")
+    return desc.idx if isinstance(desc, _descriptors.PlainAOTInput) else None
+
+
+def is_effect_token(node: fx.Node) -> bool:
+    return isinstance(node.meta.get("desc"), _descriptors.ForwardTokenAOTInput)
+
+
+def gradient_of(output_node: fx.Node) -> list | None:
+    """Per flat output of a joint graph, the descriptor of the input it is
+    the gradient of (None for outputs that are not gradients); None where
+    the graph carries no descriptors."""
+    descs = output_node.meta.get("desc")
+    if not isinstance(descs, (list, tuple)):
+        return None
+    return [d.grad_of if isinstance(d, _descriptors.GradAOTOutput) else None for d in descs]
+
 
 # Placement tags AOTAutograd writes into node.meta["partitioner_tag"].
 must_be_in_forward = _torch_partitioners._must_be_in_forward

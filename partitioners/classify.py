@@ -55,8 +55,8 @@ class GraphFacts:
     forward_outputs: tuple[fx.Node, ...] = ()
     """What forward returns to the caller (the loss, logits...)."""
     input_positions: dict[fx.Node, int] = dataclasses.field(default_factory=dict)
-    """Each primal's position among the graph's inputs (the order Dynamo
-    calls the compiled graph with)."""
+    """Each primal's index among the arguments Dynamo calls the compiled
+    graph with; effect tokens and inputs AOTAutograd made have none."""
     input_gradient_positions: tuple[tuple[int, fx.Node], ...] = ()
     """(position, gradient) of the backward outputs that are gradients of
     inputs other than parameters and buffers: the activations an earlier graph handed this one (a
@@ -145,9 +145,12 @@ def classify(
     )
     placeholders = graph.find_nodes(op="placeholder")
     primals = [p for p in placeholders if compat.is_primal(p)]
-    static_indices = set(static_lifetime_input_indices or ())
-    static_inputs = frozenset(p for i, p in enumerate(primals) if i in static_indices)
-    input_gradient_positions = _input_gradients(outputs[num_fwd_outputs:], primals, static_lifetime_input_indices)
+    positions = _argument_positions(primals)
+    static_inputs = _static_inputs(primals, static_lifetime_input_indices or ())
+    input_gradient_positions = (
+        () if static_lifetime_input_indices is None
+        else _input_gradients(graph, num_fwd_outputs, primals, positions, static_inputs)
+    )
     inputs = frozenset(primals + [p for p in placeholders if compat.is_fwd_seed_offset(p)])
 
     dist = _distance_from_backward(graph, forward)
@@ -175,7 +178,7 @@ def classify(
         forced_saves=frozenset(_mutation_sources_repeated_in_backward(graph)),
         relaid_inputs=_relaid_inputs(joint_gm, inputs),
         forward_outputs=tuple(forward_outputs),
-        input_positions={primal: index for index, primal in enumerate(primals)},
+        input_positions=positions,
         input_gradient_positions=input_gradient_positions,
     )
 
@@ -233,17 +236,47 @@ def _tagged_recompute(node: fx.Node) -> bool:
     return node.meta.get("recompute") in (Policy.MUST_RECOMPUTE, Policy.PREFER_RECOMPUTE)
 
 
-def _input_gradients(gradients: list, primals: list[fx.Node], static_indices) -> tuple[tuple[int, fx.Node], ...]:
-    """(position, gradient) of the gradients (one per primal, in order, None
-    where there is none) of primals that are not static inputs; none where
-    that is not known."""
-    if static_indices is None or len(gradients) != len(primals):
-        return ()
+def _argument_positions(primals: list[fx.Node]) -> dict[fx.Node, int]:
+    """Each primal's index among the arguments the compiled graph is called
+    with (the step view names a call's inputs by it). From AOTAutograd's
+    descriptors where the graph has them: effect tokens and inputs AOTAutograd
+    made itself have none. Otherwise the primals' order."""
+    if all("desc" in p.meta for p in primals):
+        indices = {p: compat.argument_index(p) for p in primals}
+        return {p: index for p, index in indices.items() if index is not None}
+    return {p: index for index, p in enumerate(primals)}
+
+
+def _static_inputs(primals: list[fx.Node], static_indices) -> frozenset[fx.Node]:
+    # AOTAutograd counts static inputs before it prepends effect tokens to
+    # the primals (torch's own partitioner reads them shifted by the tokens).
+    counted = [p for p in primals if not compat.is_effect_token(p)]
     static = set(static_indices)
+    return frozenset(p for index, p in enumerate(counted) if index in static)
+
+
+def _input_gradients(graph: fx.Graph, num_fwd_outputs: int, primals: list[fx.Node],
+                     positions: dict[fx.Node, int], static: frozenset[fx.Node]) -> tuple[tuple[int, fx.Node], ...]:
+    """(position, gradient) of the gradients of primals that are not static
+    inputs. A gradient is paired with its primal by AOTAutograd's
+    descriptors where the graph has them, else by order (one output per
+    primal, None where there is none); none where neither is known."""
+    pairs = _gradient_pairs(graph, num_fwd_outputs, primals)
     return tuple(
-        (index, gradient) for index, gradient in enumerate(gradients)
-        if isinstance(gradient, fx.Node) and index not in static
+        (positions[primal], gradient) for primal, gradient in pairs
+        if isinstance(gradient, fx.Node) and primal not in static and primal in positions
     )
+
+
+def _gradient_pairs(graph: fx.Graph, num_fwd_outputs: int, primals: list[fx.Node]) -> list[tuple]:
+    (output,) = graph.find_nodes(op="output")
+    flat = list(output.args[0]) if isinstance(output.args[0], (list, tuple)) else None
+    owners = compat.gradient_of(output)
+    if flat is not None and owners is not None and len(owners) == len(flat):
+        primal_of = {p.meta["desc"]: p for p in primals if "desc" in p.meta}
+        return [(primal_of[owner], gradient) for owner, gradient in zip(owners, flat) if owner in primal_of]
+    gradients = _flatten(output.args[0])[num_fwd_outputs:]
+    return list(zip(primals, gradients)) if len(gradients) == len(primals) else []
 
 
 def _flat_outputs(graph: fx.Graph) -> list:

@@ -549,15 +549,24 @@ def test_a_reader_lowered_before_the_matmul_that_writes_a_value_computes_it(redu
     assert buffer_reads(facts, order, buffers)[total] == {g}  # without ``late``: read as written
 
 
-def test_an_activation_inputs_gradient_and_saved_input_are_told_apart_from_parameters():
+@pytest.mark.parametrize("effect_token", [False, True])
+def test_an_activation_inputs_gradient_and_saved_input_are_told_apart_from_parameters(effect_token):
     # Dynamo marks the Linear's weight and bias static: their gradients stay
     # in .grad, while x's goes back to whoever made x. x is saved (for the
     # weight's gradient) as the batch input at its position among the inputs.
+    # An effectful op puts a token before the primals: AOTAutograd's static
+    # indices and the arguments Dynamo passes do not count it.
     layer = torch.nn.Linear(64, 32)
     x = torch.randn(16, 64, requires_grad=True)
+
+    def f(x):
+        if effect_token:
+            torch.ops.aten._print("effect")
+        return torch.relu(layer(x))
+
     backend = make_backend(Config())
     torch._dynamo.reset()
-    torch.compile(lambda x: torch.relu(layer(x)), backend=backend)(x).sum().backward()
+    torch.compile(f, backend=backend)(x).sum().backward()
     torch._dynamo.reset()
     (plan,) = backend.plans
     peak = plan.peak_estimate
