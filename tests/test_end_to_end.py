@@ -289,3 +289,31 @@ def test_per_block_mode_through_the_bench_harness():
     # Autograd also holds what the eager embeddings, head and loss save.
     assert result.saved_bytes > result.plan_saved_bytes
     assert result.predicted_peak_bytes is None  # the eager parts are not predicted
+
+
+class SharedBias(nn.Module):
+    """Layers that all add one learned bias, broadcast over the batch (T5's
+    relative position bias): backward sums each layer's gradient over the
+    batch and adds the sums up."""
+
+    def __init__(self, layers=4, n=16):
+        super().__init__()
+        self.bias = nn.Parameter(torch.randn(1, n, n))
+        self.weights = nn.ParameterList(nn.Parameter(torch.randn(n, n) / 4) for _ in range(layers))
+
+    def forward(self, x):
+        for weight in self.weights:
+            x = torch.softmax(x @ weight + self.bias, dim=-1)
+        return x.square().mean()
+
+
+def test_a_shared_bias_gradient_is_accumulated_layer_by_layer(monkeypatch):
+    from partitioners import partition as module
+
+    partitions, real = [], module.partition
+    monkeypatch.setattr(module, "partition", lambda *a, **k: partitions.append(real(*a, **k)) or partitions[-1])
+    torch.manual_seed(0)
+    assert_same_training_step(SharedBias(), torch.randn(8, 16, 16), backend=make_backend(memory_budget=0.0))
+    backward = partitions[-1].backward  # the plan that runs
+    totals = backward.graph.find_nodes(op="call_function", target=torch.ops.ckpt.accumulate.default)
+    assert len(totals) == 3  # four layers' sums, added as they come

@@ -3,7 +3,9 @@ import operator
 
 import torch
 import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from passes import joint, partitioned, run_passes
 
@@ -137,3 +139,40 @@ def test_adjacent_adds_and_adds_of_input_products_stay():
                _weight_gradient_graph(heavy_between=True, from_inputs=True)):
         code = gm.code
         assert joint.unfold_late_matmul_adds(gm).code == code
+
+
+def _summed_gradient_graph() -> fx.GraphModule:
+    """A bias every layer reads through a broadcast over the batch, as
+    backward leaves its gradient: one sum per layer, added in a chain."""
+    graph = fx.Graph()
+    grad_out, *scores = (graph.placeholder(name) for name in ("tangents_1", "s1", "s2", "s3"))
+    sums = [
+        _call(graph, f"sum_{i}", aten.sum.dim_IntList, _call(graph, f"mul_{i}", aten.mul.Tensor, grad_out, s), [0], True)
+        for i, s in enumerate(scores)
+    ]
+    total = _call(graph, "add", aten.add.Tensor, sums[0], sums[1])
+    total = _call(graph, "add_1", aten.add.Tensor, total, sums[2])
+    broadcast = _call(graph, "add_2", aten.add.Tensor, total, scores[0])  # [1, n] + [b, n]: not a sum of sums
+    forward_sum = _call(graph, "sum_f", aten.sum.dim_IntList, scores[0], [0], True)
+    forward_total = _call(graph, "add_f", aten.add.Tensor, forward_sum, forward_sum)  # no tangent upstream
+    graph.output((total, broadcast, forward_total))
+    gm = fx.GraphModule(torch.nn.Module(), graph)
+    FakeTensorProp(gm, FakeTensorMode()).propagate(*_summed_gradient_inputs())
+    return gm
+
+
+def _summed_gradient_inputs():
+    torch.manual_seed(0)
+    return tuple(torch.randn(4, 64) for _ in range(4))
+
+
+def test_backward_sums_added_in_a_chain_are_accumulated_as_they_come():
+    gm = _summed_gradient_graph()
+    inputs = _summed_gradient_inputs()
+    expected = gm(*inputs)
+    assert joint.accumulate_gradient_sums(gm) is gm
+    targets = {n.name: n.target for n in gm.graph.nodes}
+    assert targets["add"] is targets["add_1"] is torch.ops.ckpt.accumulate.default
+    assert targets["add_2"] is targets["add_f"] is aten.add.Tensor
+    for got, want in zip(gm(*inputs), expected):
+        assert torch.equal(got, want)  # the same adds in the same order
