@@ -133,6 +133,26 @@ class _InputIdentities:
         return (address, known[1], value.storage_offset(), tuple(value.shape))
 
 
+@dataclasses.dataclass
+class _Calls:
+    """The training calls of the running step, in order."""
+
+    keys: list[str] = dataclasses.field(default_factory=list)
+    inputs: list[tuple] = dataclasses.field(default_factory=list)
+    """Per call, its inputs' storage identities."""
+    ran: set[tuple[str, tuple]] = dataclasses.field(default_factory=set)
+    """The graphs called, each with what its plan was made for."""
+    below_plan: bool = False
+    """A call ran below the sizes its plan was made for."""
+    identities: _InputIdentities = dataclasses.field(default_factory=_InputIdentities)
+
+    def record(self, key: str, args, planned_for: tuple, at_planned_sizes: bool) -> None:
+        self.keys.append(key)
+        self.inputs.append(tuple(map(self.identities.of, args)))
+        self.ran.add((key, planned_for))
+        self.below_plan |= not at_planned_sizes
+
+
 class _EndedStep(typing.NamedTuple):
     """A step whose backward ended, to be measured at the next call."""
 
@@ -150,10 +170,8 @@ class StepView:
     what each was planned for. One per process: the step is the process's."""
 
     def __init__(self):
-        self.sequence: list[str] = []
-        self.inputs: list[tuple] = []
-        """Per call of the running step, its inputs' storage identities."""
-        self._identities = _InputIdentities()
+        self.calls = _Calls()
+        """The running step's calls."""
         self.costs: dict[str, GraphCost] = {}
         self.plans: dict[str, Plan] = {}
         self.rungs: dict[str, dict[str, tuple[GraphCost, tuple[str, ...]]]] = {}
@@ -162,8 +180,6 @@ class StepView:
         self.measuring: dict[str, bool] = {}
         self.sequences: dict[tuple[str, ...], _Sequence] = {}
         self.last_sequence: dict[str, tuple[str, ...]] = {}
-        self.ran: set[tuple[str, tuple]] = set()
-        """The graphs of the running step, each with what its plan was made for."""
         self.measurements: list[Measurement] = []
         self.fresh: set[str] = set()
         """Graphs compiled since the last step: a step running one is not
@@ -177,7 +193,6 @@ class StepView:
         ones planning needs; the extra measurements only inform."""
         self._meter = None
         self._judge_meter = False
-        self._below_plan = False
         self._ending = False
         self._ended = None
 
@@ -235,7 +250,7 @@ class StepView:
     # -- the running step -----------------------------------------------------
 
     def before_call(self, key: str) -> None:
-        if self.sequence or self._ending or compat.profiler_active():
+        if self.calls.keys or self._ending or compat.profiler_active():
             return
         self._judge_meter = self._wants_measurement(key)
         if self._judge_meter or self.meter_every_step:
@@ -250,18 +265,13 @@ class StepView:
         tensor = _first_requiring_grad(outputs)
         if tensor is None:
             return
-        if len(self.sequence) >= MAX_CALLS:
+        if len(self.calls.keys) >= MAX_CALLS:
             self._drop_step()
-        if not self.sequence:
-            self._below_plan = False
-        self._below_plan |= not at_planned_sizes
-        self.sequence.append(key)
-        self.inputs.append(tuple(map(self._identities.of, args)))
-        self.ran.add((key, planned_for))
+        self.calls.record(key, args, planned_for, at_planned_sizes)
         tensor.register_hook(self._on_gradient)
 
     def _on_gradient(self, grad):
-        if not self._ending and self.sequence:
+        if not self._ending and self.calls.keys:
             self._ending = True
             compat.after_backward(self.end_step)
         return None
@@ -272,13 +282,11 @@ class StepView:
         restores the profiler's thread state after its callbacks, so the
         profiler cannot be stopped here; events after now are not counted."""
         self._ending = False
-        sequence, self.sequence = tuple(self.sequence), []
-        inputs, self.inputs = self.inputs, []
-        self._identities = _InputIdentities()
-        ran, self.ran = self.ran, set()
-        if sequence:
+        calls, self.calls = self.calls, _Calls()
+        if calls.keys:
             self._ended = _EndedStep(
-                sequence, inputs, ran, self._meter, self._judge_meter, self._below_plan, time.time_ns()
+                tuple(calls.keys), calls.inputs, calls.ran, self._meter, self._judge_meter, calls.below_plan,
+                time.time_ns(),
             )
             self._meter = None
 
@@ -424,8 +432,7 @@ class StepView:
         self._drop_step()
 
     def _drop_step(self) -> None:
-        self.sequence, self.inputs, self.ran = [], [], set()
-        self._identities = _InputIdentities()
+        self.calls = _Calls()
         _stop_meter(self._meter, time.time_ns())
         self._meter = None
 
