@@ -34,7 +34,7 @@ from torch._prims_common import is_expandable_to  # noqa: F401  re-exported
 from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_files
 from torch.fx.experimental._backward_state import BackwardState
 from torch.fx.experimental.proxy_tensor import is_sym_node
-from torch.fx.experimental.symbolic_shapes import optimization_hint
+from torch.fx.experimental.symbolic_shapes import optimization_hint, statically_known_true
 from torch.utils.checkpoint import CheckpointPolicy
 
 import torch._inductor.inductor_prims  # noqa: F401  registers prims.inductor_*
@@ -83,6 +83,7 @@ __all__ = [
     "recompile_in",
     "reorder_to_autograd_engine",
     "size_symbols",
+    "same_sizes",
     "thread_graphsafe_rng_from_hops",
     "torch_default_partition",
     "flop_formula",
@@ -253,6 +254,12 @@ def _finite_bound(upper) -> int | None:
         return None
     bound = int(upper)
     return bound if bound < 2**62 else None
+
+
+def same_sizes(a: torch.Size, b: torch.Size) -> bool:
+    """Whether two shapes are equal for every value of their size symbols,
+    decided without adding a guard (a partitioner must not specialize)."""
+    return len(a) == len(b) and all(statically_known_true(x == y) for x, y in zip(a, b))
 
 
 def current_tracing_context():

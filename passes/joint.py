@@ -77,7 +77,7 @@ def _adds_two_sums(add: fx.Node) -> bool:
 
 
 def _same_tensor_type(a, b: torch.Tensor) -> bool:
-    return isinstance(a, torch.Tensor) and a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
+    return isinstance(a, torch.Tensor) and a.dtype == b.dtype and a.device == b.device and compat.same_sizes(a.shape, b.shape)
 
 
 def _downstream_of_tangents(graph: fx.Graph) -> set[fx.Node]:

@@ -317,3 +317,37 @@ def test_a_shared_bias_gradient_is_accumulated_layer_by_layer(monkeypatch):
     backward = partitions[-1].backward  # the plan that runs
     totals = backward.graph.find_nodes(op="call_function", target=torch.ops.ckpt.accumulate.default)
     assert len(totals) == 3  # four layers' sums, added as they come
+
+
+def test_a_shared_bias_of_dynamic_length_is_accumulated_without_a_guard(monkeypatch):
+    # The bias is looked up by relative position for the sequence's length,
+    # as T5's: its sums have symbolic sizes, compared without specializing.
+    from partitioners import partition as module
+
+    class RelativeBias(nn.Module):
+        def __init__(self, layers=4, n=16):
+            super().__init__()
+            self.table = nn.Parameter(torch.randn(2 * n))
+            self.weight = nn.Parameter(torch.randn(n) / 4)
+
+        def forward(self, x):
+            n = x.shape[-1]
+            positions = torch.arange(n)
+            bias = self.table[positions[None, :] - positions[:, None] + n].unsqueeze(0)
+            for _ in range(4):
+                x = torch.softmax(x * self.weight[:n] + bias, dim=-1)
+            return x.square().mean()
+
+    partitions, real = [], module.partition
+    monkeypatch.setattr(module, "partition", lambda *a, **k: partitions.append(real(*a, **k)) or partitions[-1])
+    torch.manual_seed(0)
+    model = RelativeBias()
+    compiled = torch.compile(model, backend=make_backend(memory_budget=0.0), dynamic=True)
+    torch._dynamo.reset()
+    for n in (12, 14):
+        x = torch.randn(8, n, n)
+        compiled(x).backward()
+        torch.testing.assert_close(compiled(x), model(x), **TOLERANCE)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1  # no recompile for the second length
+    totals = partitions[-1].backward.graph.find_nodes(op="call_function", target=torch.ops.ckpt.accumulate.default)
+    assert len(totals) == 3
