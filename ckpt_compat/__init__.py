@@ -119,8 +119,9 @@ def gradient_of(output_node: fx.Node) -> list | None:
     the gradient of (None for outputs that are not gradients); None where
     the graph carries no descriptors."""
     descs = output_node.meta.get("desc")
-    if not isinstance(descs, (list, tuple)):
-        return None
+    if not isinstance(descs, (list, tuple)) or any(
+            isinstance(d, _descriptors.SubclassGetAttrAOTOutput) for d in descs):
+        return None  # a subclass's gradient is several outputs, its input several placeholders
     return [d.grad_of if isinstance(d, _descriptors.GradAOTOutput) else None for d in descs]
 
 

@@ -258,13 +258,14 @@ def _static_inputs(primals: list[fx.Node], static_indices) -> frozenset[fx.Node]
 def _input_gradients(graph: fx.Graph, num_fwd_outputs: int, primals: list[fx.Node],
                      positions: dict[fx.Node, int], static: frozenset[fx.Node]) -> tuple[tuple[int, fx.Node], ...]:
     """(position, gradient) of the gradients of primals that are not static
-    inputs. A gradient is paired with its primal by AOTAutograd's
+    inputs (position -1: an input that is no argument as is, a synthetic
+    base). A gradient is paired with its primal by AOTAutograd's
     descriptors where the graph has them, else by order (one output per
     primal, None where there is none); none where neither is known."""
     pairs = _gradient_pairs(graph, num_fwd_outputs, primals)
     return tuple(
-        (positions[primal], gradient) for primal, gradient in pairs
-        if isinstance(gradient, fx.Node) and primal not in static and primal in positions
+        (positions.get(primal, -1), gradient) for primal, gradient in pairs
+        if isinstance(gradient, fx.Node) and primal not in static
     )
 
 

@@ -40,6 +40,10 @@ def _accumulate_shape(total: torch.Tensor, term: torch.Tensor) -> torch.Tensor:
     return torch.add(total, term)
 
 
+# A backward graph differentiated again (compiled autograd, create_graph).
+accumulate.register_autograd(lambda ctx, grad: (grad, grad))
+
+
 def accumulate_gradient_sums(gm: fx.GraphModule) -> fx.GraphModule:
     """Adds each backward sum into a running total as soon as it is made
     (``accumulate``), where backward adds sums up in a chain: the gradient
@@ -47,9 +51,11 @@ def accumulate_gradient_sums(gm: fx.GraphModule) -> fx.GraphModule:
     bias (each layer's score gradient summed over the batch). Inductor
     computes a chain of adds inside its last reader's kernel, so every
     layer's sum stayed alive to the end of backward; eager autograd adds
-    each as it comes. The sums are added in the same order: the total
-    rounds as Inductor's chain does (``python -m bench.calibrate t5 --budget
-    0.0``: backward peak 27.83 -> 27.12 MiB)."""
+    each as it comes. The sums are added in the same order, and only in
+    float32 and float64, where Inductor's chain rounds each add as the op
+    does (it computes half types in float32 and rounds once): the total is
+    bitwise the same (``python -m bench.calibrate t5 --budget 0.0``:
+    backward peak 27.83 -> 27.12 MiB)."""
     backward = _downstream_of_tangents(gm.graph)
     changed = False
     for add in gm.graph.nodes:
@@ -61,7 +67,14 @@ def accumulate_gradient_sums(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
-_SUMS = (torch.ops.aten.sum.dim_IntList, torch.ops.ckpt.accumulate.default)
+_ACCUMULATE = "ckpt::accumulate"  # matched by name: the op object changes if the module is reloaded
+_EXACT_DTYPES = (torch.float32, torch.float64)
+
+
+def _is_sum(node: fx.Node) -> bool:
+    target = node.target
+    return target is torch.ops.aten.sum.dim_IntList or (
+        isinstance(target, compat.OpOverload) and target.name() == _ACCUMULATE)
 
 
 def _adds_two_sums(add: fx.Node) -> bool:
@@ -69,9 +82,10 @@ def _adds_two_sums(add: fx.Node) -> bool:
     if add.target is not torch.ops.aten.add.Tensor or len(add.args) != 2 or add.kwargs:
         return False
     value = add.meta.get("val")
+    if not isinstance(value, torch.Tensor) or value.dtype not in _EXACT_DTYPES:
+        return False
     return all(
-        isinstance(arg, fx.Node) and arg.target in _SUMS and isinstance(value, torch.Tensor)
-        and _same_tensor_type(arg.meta.get("val"), value)
+        isinstance(arg, fx.Node) and _is_sum(arg) and _same_tensor_type(arg.meta.get("val"), value)
         for arg in add.args
     )
 

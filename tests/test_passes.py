@@ -176,3 +176,34 @@ def test_backward_sums_added_in_a_chain_are_accumulated_as_they_come():
     assert targets["add_2"] is targets["add_f"] is aten.add.Tensor
     for got, want in zip(gm(*inputs), expected):
         assert torch.equal(got, want)  # the same adds in the same order
+
+
+def test_half_precision_sums_are_left_to_inductor():
+    # Inductor adds a bfloat16 chain in float32 and rounds once; added one
+    # op at a time, each partial total would round.
+    gm = _summed_gradient_graph()
+    FakeTensorProp(gm, FakeTensorMode()).propagate(*(t.bfloat16() for t in _summed_gradient_inputs()))
+    code = gm.code
+    assert joint.accumulate_gradient_sums(gm).code == code
+
+
+def test_accumulate_has_a_gradient():
+    total, term = torch.randn(3, requires_grad=True), torch.randn(3, requires_grad=True)
+    torch.ops.ckpt.accumulate(total, term).sum().backward()
+    assert torch.equal(total.grad, torch.ones(3)) and torch.equal(term.grad, torch.ones(3))
+
+
+def test_sizes_equal_only_at_their_hints_are_not_the_same_and_add_no_guard():
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    import ckpt_compat as compat
+
+    from torch._dynamo.source import ConstantSource
+
+    env = ShapeEnv(duck_shape=False)  # two sizes of 4 get two symbols
+    s0, s1 = (env.create_unbacked_symint() for _ in range(2))
+    a, b = (env.create_symintnode(env.create_symbol(4, source=ConstantSource(name)), hint=4) for name in "ab")
+    assert compat.same_sizes(torch.Size([a, 3]), torch.Size([a, 3]))
+    assert not compat.same_sizes(torch.Size([a, 3]), torch.Size([b, 3]))
+    assert not compat.same_sizes(torch.Size([s0]), torch.Size([s1]))
+    assert not env.guards  # decided without specializing

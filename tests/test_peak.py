@@ -577,3 +577,36 @@ def test_an_activation_inputs_gradient_and_saved_input_are_told_apart_from_param
     ((position, nbytes),) = peak.held_inputs
     assert nbytes == x.numel() * 4
     assert peak.input_gradients == ((position, x.numel() * 4),)
+
+
+def _described_joint(output_descs):
+    """A joint graph whose two gradients are returned in the other order
+    than their primals, described by AOTAutograd's descriptors."""
+    from torch._functorch._aot_autograd import descriptors as d
+
+    graph = torch.fx.Graph()
+    p1, p2, tangent = (graph.placeholder(name) for name in ("primals_1", "primals_2", "tangents_1"))
+    p1.meta["desc"], p2.meta["desc"] = d.PlainAOTInput(0), d.PlainAOTInput(1)
+    out = graph.call_function(torch.ops.aten.mul.Tensor, (p1, p2))
+    grad_2 = graph.call_function(torch.ops.aten.mul.Tensor, (tangent, p1))
+    grad_1 = graph.call_function(torch.ops.aten.mul.Tensor, (tangent, p2))
+    output = graph.output([out, grad_2, grad_1])
+    output.meta["desc"] = output_descs(d)
+    for node in graph.nodes:
+        if node.op != "output":
+            node.meta["val"] = torch.empty(4)
+    return torch.fx.GraphModule(torch.nn.Module(), graph), grad_1, grad_2
+
+
+def test_input_gradients_are_paired_by_descriptor_and_by_order_where_a_subclass_splits_them():
+    from partitioners.classify import classify
+
+    gm, grad_1, grad_2 = _described_joint(lambda d: [
+        d.PlainAOTOutput(0), d.GradAOTOutput(d.PlainAOTInput(1)), d.GradAOTOutput(d.PlainAOTInput(0))])
+    facts = classify(gm, num_fwd_outputs=1, static_lifetime_input_indices=[])
+    assert sorted(facts.input_gradient_positions, key=lambda pair: pair[0]) == [(0, grad_1), (1, grad_2)]
+    gm, grad_1, grad_2 = _described_joint(lambda d: [
+        d.PlainAOTOutput(0), *(d.SubclassGetAttrAOTOutput(d.GradAOTOutput(d.PlainAOTInput(i)), "a") for i in (1, 0))])
+    facts = classify(gm, num_fwd_outputs=1, static_lifetime_input_indices=[])
+    # A subclass gradient spans several outputs: the descriptors are not read, the order is.
+    assert facts.input_gradient_positions == ((0, grad_2), (1, grad_1))
