@@ -156,12 +156,9 @@ class _Calls:
 class _EndedStep(typing.NamedTuple):
     """A step whose backward ended, to be measured at the next call."""
 
-    sequence: tuple[str, ...]
-    inputs: list[tuple]
-    ran: set
+    calls: _Calls
     meter: object
     wanted: bool
-    below_plan: bool
     end_ns: int
 
 
@@ -284,27 +281,25 @@ class StepView:
         self._ending = False
         calls, self.calls = self.calls, _Calls()
         if calls.keys:
-            self._ended = _EndedStep(
-                tuple(calls.keys), calls.inputs, calls.ran, self._meter, self._judge_meter, calls.below_plan,
-                time.time_ns(),
-            )
+            self._ended = _EndedStep(calls, self._meter, self._judge_meter, time.time_ns())
             self._meter = None
 
     def finish_step(self) -> None:
         """Measure the step that ended, if any, and mark what must be planned again."""
         if self._ended is None:
             return
-        (sequence, inputs, ran, meter, wanted, below_plan, end_ns), self._ended = self._ended, None
+        (calls, meter, wanted, end_ns), self._ended = self._ended, None
+        sequence, below_plan = tuple(calls.keys), calls.below_plan
         self.steps += 1
         if sequence not in self.sequences:
             self._warn_unmatched_regions(sequence)
         state = self.sequences.setdefault(sequence, _Sequence())
-        state.repeated = self._repeated_inputs(sequence, inputs)
+        state.repeated = self._repeated_inputs(sequence, calls.inputs)
         for key in set(sequence):
             self.last_sequence[key] = sequence
         # Whether the plans that ran were made for this step, before the
         # measurement below changes what they should be made for.
-        planned_for_it = all(planned_for == self.planning_for(key) for key, planned_for in ran)
+        planned_for_it = all(planned_for == self.planning_for(key) for key, planned_for in calls.ran)
         measured = _stop_meter(meter, end_ns)
         judge = wanted and not below_plan and not self.fresh & set(sequence)
         self.fresh -= set(sequence)

@@ -48,6 +48,7 @@ __all__ = [
     "SizeSymbol",
     "after_backward",
     "argument_index",
+    "backward_nodes",
     "gradient_of",
     "is_effect_token",
     "InductorChoices",
@@ -128,6 +129,23 @@ def gradient_of(output_node: fx.Node) -> list | None:
 # Placement tags AOTAutograd writes into node.meta["partitioner_tag"].
 must_be_in_forward = _torch_partitioners._must_be_in_forward
 must_be_in_backward = _torch_partitioners._must_be_in_backward
+
+
+def backward_nodes(graph: fx.Graph) -> set[fx.Node]:
+    """A joint graph's backward: tangents, backward RNG seeds, nodes tagged
+    must-be-in-backward, and everything downstream of them."""
+    closure: set[fx.Node] = set()
+    for node in graph.nodes:  # topological order: inputs come first
+        if node.op == "output":
+            continue
+        if (
+            is_tangent(node)
+            or is_bwd_seed_offset(node)
+            or must_be_in_backward(node)
+            or any(arg in closure for arg in node.all_input_nodes)
+        ):
+            closure.add(node)
+    return closure
 
 
 # Inductor fuses a device's seed (and eager-offset) draws into one node that

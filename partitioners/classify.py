@@ -134,11 +134,12 @@ def classify(
     static_lifetime_input_indices: list[int] | None = None,
 ) -> GraphFacts:
     graph = joint_gm.graph
-    outputs = _flat_outputs(graph)
+    (output,) = graph.find_nodes(op="output")
+    outputs = _flatten(output.args[0])
     forward_outputs = [o for o in outputs[:num_fwd_outputs] if isinstance(o, fx.Node)]
     backward_outputs = tuple(o for o in outputs[num_fwd_outputs:] if isinstance(o, fx.Node))
 
-    backward = _tangent_closure(graph)
+    backward = compat.backward_nodes(graph)
     forward = _ancestors(
         forward_outputs + [n for n in graph.nodes if compat.must_be_in_forward(n)],
         exclude=backward,
@@ -149,7 +150,7 @@ def classify(
     static_inputs = _static_inputs(primals, static_lifetime_input_indices or ())
     input_gradient_positions = (
         () if static_lifetime_input_indices is None
-        else _input_gradients(graph, num_fwd_outputs, primals, positions, static_inputs)
+        else _input_gradients(output, num_fwd_outputs, primals, positions, static_inputs)
     )
     inputs = frozenset(primals + [p for p in placeholders if compat.is_fwd_seed_offset(p)])
 
@@ -255,22 +256,21 @@ def _static_inputs(primals: list[fx.Node], static_indices) -> frozenset[fx.Node]
     return frozenset(p for index, p in enumerate(counted) if index in static)
 
 
-def _input_gradients(graph: fx.Graph, num_fwd_outputs: int, primals: list[fx.Node],
+def _input_gradients(output: fx.Node, num_fwd_outputs: int, primals: list[fx.Node],
                      positions: dict[fx.Node, int], static: frozenset[fx.Node]) -> tuple[tuple[int, fx.Node], ...]:
     """(position, gradient) of the gradients of primals that are not static
     inputs (position -1: an input that is no argument as is, a synthetic
     base). A gradient is paired with its primal by AOTAutograd's
     descriptors where the graph has them, else by order (one output per
     primal, None where there is none); none where neither is known."""
-    pairs = _gradient_pairs(graph, num_fwd_outputs, primals)
+    pairs = _gradient_pairs(output, num_fwd_outputs, primals)
     return tuple(
         (positions.get(primal, -1), gradient) for primal, gradient in pairs
         if isinstance(gradient, fx.Node) and primal not in static
     )
 
 
-def _gradient_pairs(graph: fx.Graph, num_fwd_outputs: int, primals: list[fx.Node]) -> list[tuple]:
-    (output,) = graph.find_nodes(op="output")
+def _gradient_pairs(output: fx.Node, num_fwd_outputs: int, primals: list[fx.Node]) -> list[tuple]:
     flat = list(output.args[0]) if isinstance(output.args[0], (list, tuple)) else None
     owners = compat.gradient_of(output)
     if flat is not None and owners is not None and len(owners) == len(flat):
@@ -280,31 +280,10 @@ def _gradient_pairs(graph: fx.Graph, num_fwd_outputs: int, primals: list[fx.Node
     return list(zip(primals, gradients)) if len(gradients) == len(primals) else []
 
 
-def _flat_outputs(graph: fx.Graph) -> list:
-    (output,) = graph.find_nodes(op="output")
-    return _flatten(output.args[0])
-
-
 def _flatten(value) -> list:
     if isinstance(value, (list, tuple)):
         return [leaf for item in value for leaf in _flatten(item)]
     return [value]
-
-
-def _tangent_closure(graph: fx.Graph) -> set[fx.Node]:
-    """Tangents, nodes tagged must-be-in-backward, and everything downstream of them."""
-    closure: set[fx.Node] = set()
-    for node in graph.nodes:  # topological order: inputs come first
-        if node.op == "output":
-            continue
-        if (
-            compat.is_tangent(node)
-            or compat.is_bwd_seed_offset(node)
-            or compat.must_be_in_backward(node)
-            or any(arg in closure for arg in node.all_input_nodes)
-        ):
-            closure.add(node)
-    return closure
 
 
 def _ancestors(roots: list[fx.Node], exclude: set[fx.Node]) -> set[fx.Node]:

@@ -56,7 +56,7 @@ def accumulate_gradient_sums(gm: fx.GraphModule) -> fx.GraphModule:
     does (it computes half types in float32 and rounds once): the total is
     bitwise the same (``python -m bench.calibrate t5 --budget 0.0``:
     backward peak 27.83 -> 27.12 MiB)."""
-    backward = _downstream_of_tangents(gm.graph)
+    backward = compat.backward_nodes(gm.graph)
     changed = False
     for add in gm.graph.nodes:
         if add in backward and _adds_two_sums(add):
@@ -92,14 +92,6 @@ def _adds_two_sums(add: fx.Node) -> bool:
 
 def _same_tensor_type(a, b: torch.Tensor) -> bool:
     return isinstance(a, torch.Tensor) and a.dtype == b.dtype and a.device == b.device and compat.same_sizes(a.shape, b.shape)
-
-
-def _downstream_of_tangents(graph: fx.Graph) -> set[fx.Node]:
-    below: set[fx.Node] = set()
-    for node in graph.nodes:  # topological order
-        if compat.is_tangent(node) or any(arg in below for arg in node.all_input_nodes):
-            below.add(node)
-    return below
 
 
 BEFORE_DECIDING = (eliminate_dead_code, eliminate_common_subexpressions, accumulate_gradient_sums)
