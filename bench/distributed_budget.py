@@ -21,6 +21,7 @@ results.json into --out.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import os
@@ -120,6 +121,7 @@ def rank_run(rank: int, layout: str, mode: str, settings) -> dict:
         "graphs": len(view.plans), "recompiles": view.recompiles,
         "calls_per_step": max((len(s) for s in view.sequences), default=0),
         "measured_step": len(losses) - len(peaks) + 1, "settled": view.settled,
+        "view_measurements": [dataclasses.asdict(m) for m in view.measurements],
         "step_view": view.describe(),
     }
 

@@ -36,6 +36,7 @@ import pathlib
 import sys
 import time
 import typing
+import weakref
 
 import torch
 import torch.fx as fx
@@ -47,7 +48,9 @@ from partitioners.budget import rung_budget
 from partitioners.config import MemoryBudget, warn_once
 from partitioners.plan import Plan
 from partitioners.rank_sync import largest_on_all_ranks
-from partitioners.step import GraphCost, StepContext, predicted_step_peak, repeated_inputs, step_context
+from partitioners.step import (
+    Gathered, GraphCost, StepContext, gathered_per_call, predicted_step_peak, repeated_inputs, step_context,
+)
 
 # A step measured over its cap is corrected and planned again at most this
 # many times (each costs a recompile of the step's graphs and a profiled step).
@@ -104,6 +107,8 @@ class _Sequence:
     repeated: tuple[frozenset[int], ...] = ()
     """Per call, the inputs an earlier call of its graph was handed too
     (``partitioners.step.repeated_inputs``), from the latest step."""
+    gathered: tuple[Gathered, ...] = ()
+    """Per call, what a sharding gathered around it (``gathered_per_call``)."""
     tried: dict[str, int] = dataclasses.field(default_factory=dict)
     """Rung -> the measured step peak of its plans (the latest, for OWN)."""
 
@@ -145,12 +150,26 @@ class _Calls:
     below_plan: bool = False
     """A call ran below the sizes its plan was made for."""
     identities: _InputIdentities = dataclasses.field(default_factory=_InputIdentities)
+    parameters: list[tuple] = dataclasses.field(default_factory=list)
+    """Per call, its parameters: (weak reference, bytes)."""
 
     def record(self, key: str, args, planned_for: tuple, at_planned_sizes: bool) -> None:
         self.keys.append(key)
         self.inputs.append(tuple(map(self.identities.of, args)))
+        self.parameters.append(tuple(
+            (weakref.ref(arg), arg.numel() * arg.element_size()) for arg in args if _has_storage(arg, parameter=True)
+        ))
         self.ran.add((key, planned_for))
         self.below_plan |= not at_planned_sizes
+
+
+    def freed_parameters(self) -> tuple[int, ...]:
+        """Per call, the bytes of its parameters whose memory is freed now,
+        the step ended: parameters a sharding (FSDP) gathered for the step."""
+        return tuple(
+            sum(nbytes for ref, nbytes in parameters if (p := ref()) is not None and p.untyped_storage().nbytes() == 0)
+            for parameters in self.parameters
+        )
 
 
 class _EndedStep(typing.NamedTuple):
@@ -211,7 +230,9 @@ class StepView:
                 f"runs the plans of {_rung_name(state.rung)}, not its own ({budget}): "
                 f"measured step peaks {_tried_text(state.tried)}"
             )
-        context = step_context(key, sequence, self.costs, state.correction, state.measured, fallback, state.repeated)
+        context = step_context(
+            key, sequence, self.costs, state.correction, state.measured, fallback, state.repeated, state.gathered
+        )
         return context, planned_for
 
     def budget_for(self, key: str, budget: MemoryBudget | None) -> MemoryBudget | None:
@@ -295,6 +316,7 @@ class StepView:
             self._warn_unmatched_regions(sequence)
         state = self.sequences.setdefault(sequence, _Sequence())
         state.repeated = self._repeated_inputs(sequence, calls.inputs)
+        state.gathered = gathered_per_call(calls.freed_parameters(), 1 / _shard_group_size())
         for key in set(sequence):
             self.last_sequence[key] = sequence
         # Whether the plans that ran were made for this step, before the
@@ -311,7 +333,7 @@ class StepView:
             if judge:
                 self._judge(sequence, state, measured, planned_for_it)
             else:
-                predicted = predicted_step_peak(sequence, self.costs, state.repeated)
+                predicted = predicted_step_peak(sequence, self.costs, state.repeated, state.gathered)
                 self.measurements.append(
                     Measurement(self.steps, _sequence_id(sequence), predicted, measured, False, state.rung)
                 )
@@ -344,7 +366,7 @@ class StepView:
         anyway (its first measurement) or broke its cap; fall back to a
         looser budget's plans where they may peak lower (``_next_rung``);
         settle on the plans that measured lowest otherwise."""
-        predicted = predicted_step_peak(sequence, self.costs, state.repeated)  # the model's own, uncorrected
+        predicted = predicted_step_peak(sequence, self.costs, state.repeated, state.gathered)  # the model's own, uncorrected
         self.measurements.append(Measurement(self.steps, _sequence_id(sequence), predicted, measured, rung=state.rung))
         if planned_for_it:
             state.tried[state.rung] = measured
@@ -387,7 +409,7 @@ class StepView:
                 key: self.rungs.get(key, {}).get(rung, (cost, ()))[0]
                 for key, cost in self.costs.items() if key in sequence
             }
-            predicted = predicted_step_peak(sequence, costs, state.repeated)
+            predicted = predicted_step_peak(sequence, costs, state.repeated, state.gathered)
             if predicted < lowest:
                 candidates.append((predicted, rung))
         return min(candidates)[1] if candidates else None
@@ -456,6 +478,14 @@ class StepView:
                 f"{m.measured_bytes / 2**20:.2f} | {m.ratio:.3f} | {'yes' if m.judged else 'no'} |"
             )
         for sequence, state in self.sequences.items():
+            if any(g.forward for g in state.gathered):
+                largest = max(g.backward for g in state.gathered)
+                lines += [
+                    "",
+                    f"{_sequence_id(sequence)}: parameters a sharding gathers in the step (freed by its end), "
+                    f"in the predictions: {sum(1 for g in state.gathered if g.forward)} of {len(sequence)} calls, "
+                    f"up to {largest / 2**20:.2f} MiB around a call's backward",
+                ]
             if len(state.tried) > 1 or state.rung != OWN:
                 lines += [
                     "",
@@ -623,6 +653,26 @@ def graph_key(gm: fx.GraphModule, budget: MemoryBudget | None) -> str:
             else:
                 text.append(type(value).__name__)
     return "g" + hashlib.sha256("\n".join(text).encode()).hexdigest()[:10]
+
+
+def _has_storage(value, parameter: bool = False) -> bool:
+    """``value`` is a tensor with a storage of its own (not a tensor
+    subclass such as DTensor, nor a fake or meta tensor); with
+    ``parameter``, an ``nn.Parameter``."""
+    if not isinstance(value, torch.nn.Parameter if parameter else torch.Tensor):
+        return False
+    try:
+        return value.device.type != "meta" and value.untyped_storage() is not None
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+
+
+def _shard_group_size() -> int:
+    """The ranks a gathered parameter is sharded over: the world (FSDP2 over
+    one mesh dimension; a hybrid sharding's smaller group keeps more)."""
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def _sequence_id(sequence: tuple[str, ...]) -> str:

@@ -69,8 +69,22 @@ class GraphCost:
             peak.input_gradients,
         )
 
-    def call_peak(self, later_gradients: int) -> int:
-        return max(self.forward_bytes, self.backward_bytes + later_gradients)
+    def call_peak(self, later_gradients: int, gathered: "Gathered | None" = None) -> int:
+        forward, backward = (gathered.forward, gathered.backward) if gathered is not None else (0, 0)
+        return max(self.forward_bytes + forward, self.backward_bytes + later_gradients + backward)
+
+
+@dataclasses.dataclass(frozen=True)
+class Gathered:
+    """Parameter bytes a call's sharding (FSDP) gathers into the step around
+    it: its own while its forward runs; its own and the ones prefetched for
+    the next call backward runs (the previous in forward order) while its
+    backward runs. Its parameters' gradients are then scattered into
+    shards: ``kept`` of their bytes stay alive for the rest of backward."""
+
+    forward: int = 0
+    backward: int = 0
+    kept: float = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +100,7 @@ class Moment:
     """A call of this graph: its own peak adds; otherwise ``peak`` does."""
     peak: int = 0
     later_gradients: int = 0
+    gathered: Gathered | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,7 +125,7 @@ class StepContext:
         peak = max(
             (
                 m.held_before + sum(cost.held_in(repeated) for repeated in m.own_before)
-                + (cost.call_peak(m.later_gradients) if m.own else m.peak)
+                + (cost.call_peak(m.later_gradients, m.gathered) if m.own else m.peak)
                 for m in self.moments
             ),
             default=cost.call_peak(0),
@@ -135,23 +150,26 @@ def step_context(
     measured: bool = False,
     fallback: str | None = None,
     repeated: Sequence[frozenset[int]] = (),
+    gathered: Sequence[Gathered] = (),
 ) -> StepContext:
     """The context of graph ``key`` in a step that called ``sequence``; a
     graph of unknown cost counts as nothing (the measurement corrects it).
     ``repeated`` (``repeated_inputs``) says, per call, which inputs an
-    earlier call of its graph was handed too."""
+    earlier call of its graph was handed too; ``gathered``
+    (``gathered_per_call``), what sharding gathers around each call."""
     unknown = GraphCost(0, 0, 0, 0)
     own = costs.get(key, unknown)
     repeated = _per_call(repeated, sequence)
-    later = _later_gradients(sequence, costs, repeated)
+    gathered = _per_call(gathered, sequence, Gathered())
+    later = _later_gradients(sequence, costs, repeated, gathered)
     moments, held_before, own_before = [], 0, ()
     for index, name in enumerate(sequence):
         cost = costs.get(name, unknown)
         if name == key:
-            moments.append(Moment(held_before, own_before, True, later_gradients=later[index]))
+            moments.append(Moment(held_before, own_before, True, later_gradients=later[index], gathered=gathered[index]))
             own_before += (repeated[index],)
         else:
-            moments.append(Moment(held_before, own_before, False, peak=cost.call_peak(later[index])))
+            moments.append(Moment(held_before, own_before, False, peak=cost.call_peak(later[index], gathered[index])))
             held_before += cost.held_in(repeated[index])
     step_optimal = sum(costs.get(name, unknown).optimal_bytes for name in sequence)
     share = own.optimal_bytes / step_optimal if step_optimal and own.optimal_bytes else 1.0
@@ -159,16 +177,17 @@ def step_context(
 
 
 def predicted_step_peak(sequence: Sequence[str], costs: Mapping[str, GraphCost],
-                        repeated: Sequence[frozenset[int]] = ()) -> int:
+                        repeated: Sequence[frozenset[int]] = (), gathered: Sequence[Gathered] = ()) -> int:
     """The step's predicted peak with every graph at its current cost."""
     repeated = _per_call(repeated, sequence)
-    later = _later_gradients(sequence, costs, repeated)
+    gathered = _per_call(gathered, sequence, Gathered())
+    later = _later_gradients(sequence, costs, repeated, gathered)
     peak = held = 0
     for index, name in enumerate(sequence):
         cost = costs.get(name)
         if cost is None:
             continue
-        peak = max(peak, held + cost.call_peak(later[index]))
+        peak = max(peak, held + cost.call_peak(later[index], gathered[index]))
         held += cost.held_in(repeated[index])
     return peak
 
@@ -196,12 +215,32 @@ def repeated_inputs(sequence: Sequence[str], storages: Sequence[tuple]) -> tuple
     return tuple(result)
 
 
-def _per_call(repeated: Sequence[frozenset[int]], sequence: Sequence[str]) -> tuple[frozenset[int], ...]:
-    return tuple(repeated) if len(repeated) == len(sequence) else (frozenset(),) * len(sequence)
+def gathered_per_call(freed: Sequence[int], kept: float) -> tuple[Gathered, ...]:
+    """What sharding gathers around each call of a step, from ``freed``: per
+    call, the bytes of its parameters whose memory was freed by the step's
+    end (FSDP's unsharded parameters; 0 for a call without). While a call's
+    backward runs, FSDP2 holds its parameters, the next ones backward needs
+    (prefetched: the previous call's in forward order), and the
+    reduce-scatter buffers of the call whose backward ran before (input and
+    output, freed at the next reduce-scatter); ``kept`` is the share of a
+    gradient left after its reduce-scatter (one over the shard group's size)."""
+    result = []
+    for index, own in enumerate(freed):
+        if not own:
+            result.append(Gathered())
+            continue
+        prefetched = next((nbytes for nbytes in reversed(freed[:index]) if nbytes), 0)
+        scattered = next((nbytes for nbytes in freed[index + 1:] if nbytes), 0)
+        result.append(Gathered(own, own + prefetched + round(scattered * (1 + kept)), kept))
+    return tuple(result)
+
+
+def _per_call(values: Sequence, sequence: Sequence[str], default=frozenset()) -> tuple:
+    return tuple(values) if len(values) == len(sequence) else (default,) * len(sequence)
 
 
 def _later_gradients(sequence: Sequence[str], costs: Mapping[str, GraphCost],
-                     repeated: Sequence[frozenset[int]]) -> list[int]:
+                     repeated: Sequence[frozenset[int]], gathered: Sequence[Gathered]) -> list[int]:
     """Per call, the gradients the step's later calls leave alive (backward
     runs them first): their parameters', and one copy of the gradient of a
     tensor handed to several calls of a graph (an encoder's output to every
@@ -216,5 +255,8 @@ def _later_gradients(sequence: Sequence[str], costs: Mapping[str, GraphCost],
     for index in range(len(sequence) - 1, -1, -1):
         later[index] = total + sum(nbytes for last, nbytes in shared.values() if last > index)
         cost = costs.get(sequence[index])
-        total += cost.gradient_bytes if cost is not None else 0
+        if cost is not None:
+            # A sharded call's parameter gradients are scattered: a shard stays.
+            scattered = round(gathered[index].forward * (1 - gathered[index].kept))
+            total += max(cost.gradient_bytes - scattered, 0)
     return later

@@ -93,8 +93,7 @@ def test_a_budget_holds_per_rank_under_ddp_and_fsdp2_per_block(tmp_path):
     checkpointing's, the ranks' plans alike."""
     from bench.distributed_budget import Settings, run
 
-    # Each rank measures the step after its view settled (looser rungs tried
-    # under FSDP2, whose all-gathered parameters the model does not see).
+    # Each rank measures the step after its view settled.
     ranks = run(Settings(layers=3, seq=128, measured_steps=9, steps=24), tmp_path)
     assert ranks[0]["ddp"]["ckpt+budget=0.0"]["graphs"] >= 2, "DDP's optimizer did not split the graph"
     for layout in ("ddp", "fsdp2-per-block"):
@@ -105,3 +104,6 @@ def test_a_budget_holds_per_rank_under_ddp_and_fsdp2_per_block(tmp_path):
             assert ckpt["fallbacks"] == [None] * len(ckpt["fallbacks"])
             assert ckpt["settled"], (layout, ckpt["step_view"])
             assert ckpt["peak_bytes"] <= 1.05 * eager["peak_bytes"], (layout, ckpt["peak_bytes"], eager["peak_bytes"])
+            # FSDP2's gathered parameters are in the step's predictions; DDP has none.
+            gathered = "parameters a sharding gathers in the step" in ckpt["step_view"]
+            assert gathered == (layout == "fsdp2-per-block"), ckpt["step_view"]

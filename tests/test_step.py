@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from partitioners.step import GraphCost, predicted_step_peak, repeated_inputs, step_context
+from partitioners.step import GraphCost, gathered_per_call, predicted_step_peak, repeated_inputs, step_context
 
 A = GraphCost(held_bytes=10, forward_bytes=5, backward_bytes=20, gradient_bytes=3, optimal_bytes=30)
 B = GraphCost(held_bytes=7, forward_bytes=4, backward_bytes=9, gradient_bytes=1, optimal_bytes=10)
@@ -111,3 +111,24 @@ def test_the_gradient_of_a_tensor_handed_to_several_calls_is_alive_once():
     assert predicted_step_peak(sequence, {"block": block}, repeated) == 50 + 32
     assert predicted_step_peak(sequence, {"block": block}) == 50  # handed to one call each: freed by the one before
     assert step_context("block", sequence, {"block": block}, repeated=repeated).step_peak(block) == 50 + 32
+
+
+def test_what_fsdp_gathers_around_each_call():
+    # Three blocks whose 8 bytes of parameters FSDP2 gathers (freed by the
+    # step's end), a head without: a block's backward holds its own, the
+    # ones prefetched for the block before it, and the reduce-scatter
+    # buffers (input 8, output 8 / 2 ranks) of the block after it.
+    gathered = gathered_per_call([8, 8, 8, 0], kept=0.5)
+    assert [(g.forward, g.backward) for g in gathered] == [(8, 8 + 12), (8, 8 + 8 + 12), (8, 8 + 8), (0, 0)]
+    # Each block's 8 bytes of parameter gradients are scattered: 4 stay.
+    block = GraphCost(held_bytes=10, forward_bytes=20, backward_bytes=50, gradient_bytes=8)
+    head = GraphCost(held_bytes=0, forward_bytes=5, backward_bytes=5, gradient_bytes=0)
+    sequence, costs = ["block"] * 3 + ["head"], {"block": block, "head": head}
+    # Per block's backward: what the earlier blocks hold + its backward +
+    # what is gathered around it + the later blocks' 4-byte gradient shards.
+    peak = max(0 + 50 + 20 + 2 * 4, 10 + 50 + 28 + 4, 20 + 50 + 16)
+    assert peak == 92
+    assert predicted_step_peak(sequence, costs, gathered=gathered) == peak
+    assert step_context("block", sequence, costs, gathered=gathered).step_peak(block) == peak
+    # Not sharded: nothing gathered, every gradient kept whole.
+    assert predicted_step_peak(sequence, costs) == max(50 + 16, 10 + 50 + 8, 20 + 50)

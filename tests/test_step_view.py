@@ -279,3 +279,19 @@ def test_a_tensor_freed_and_its_memory_reused_is_a_new_input():
     assert record[0].expired()
     assert names.of(again)[1] == 1  # a new generation: not the freed tensor's name
     assert names.of(again) == names.of(again)
+
+
+def test_parameters_freed_by_the_steps_end_were_gathered_for_it():
+    """FSDP frees a block's unsharded parameters after their backward (their
+    storage resized to nothing): the view counts, per call, the bytes of
+    the parameters it was handed whose memory is gone when the step ends;
+    parameters that stay, and other inputs, count nothing."""
+    calls = step_view._Calls()
+    gathered, resident = torch.nn.Parameter(torch.randn(256)), torch.nn.Parameter(torch.randn(64))
+    calls.record("block", (torch.randn(8), gathered, resident), None, True)
+    calls.record("head", (torch.randn(8), resident), None, True)
+    assert calls.freed_parameters() == (0, 0)
+    gathered.untyped_storage().resize_(0)  # what FSDP's reshard does
+    assert calls.freed_parameters() == (256 * 4, 0)
+    del gathered  # a parameter gone altogether was not gathered by a sharding
+    assert calls.freed_parameters() == (0, 0)
