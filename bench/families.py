@@ -123,6 +123,17 @@ def _swin(layers, width, seq):
     return tf.SwinForImageClassification(config)
 
 
+def _mobilenet_v2(layers, width, seq):
+    import transformers as tf
+
+    # MobileNetV2's 17 inverted-residual blocks are fixed; ``width`` scales
+    # every channel count (64: the published network), ``layers`` is unused.
+    config = tf.MobileNetV2Config(
+        num_channels=3, image_size=seq, depth_multiplier=width / 64, num_labels=CLASSES,
+    )
+    return tf.MobileNetV2ForImageClassification(config)
+
+
 def _tokens(generator, batch, seq):
     tokens = torch.randint(VOCAB, (batch, seq), generator=generator)
     return {"input_ids": tokens, "labels": tokens}
@@ -161,6 +172,7 @@ FAMILIES: dict[str, Family] = {
         Family("whisper", _whisper, _audio, size=(4, 128, 256, 4)),
         Family("convnext", _convnext, _images, per_layer_checkpointing=False, size=(6, 64, 64, 8)),
         Family("swin", _swin, _images, size=(6, 64, 64, 8)),
+        Family("mobilenet_v2", _mobilenet_v2, _images, per_layer_checkpointing=False, size=(17, 64, 64, 8)),
     )
 }
 

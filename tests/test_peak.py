@@ -193,6 +193,61 @@ def test_cpu_convolutions_hold_a_weight_sized_buffer_per_weight_layout_they_writ
     assert workspace_bytes(by_target[torch.ops.aten.convolution_backward], facts) == 2 * weight_bytes
 
 
+def test_a_backward_that_recomputes_a_convolution_runs_its_convolutions_channels_last():
+    """On CPU, Inductor lays a graph's convolutions out channels-last when
+    the graph holds a forward convolution: a backward that recomputes one.
+    oneDNN's channels-last backward of a depthwise 7x7 convolution holds
+    far more scratch than the NCHW one (ConvNeXt: 12.25 MiB at 256
+    channels, against 0.19): measured once at batch 1, it is what the op
+    holds at the graph's batch, and the walk counts it only where the
+    backward recomputes a convolution."""
+    from bench.measure import peak_cpu_bytes
+    from partitioners.peak.lowering import workspace_at
+    from partitioners.peak.workspace import runs_channels_last
+
+    channels = 64
+
+    def f(x, w):
+        return torch.nn.functional.conv2d(x, w, padding=3, groups=channels).relu().sum()
+
+    x, w = torch.randn(4, channels, 8, 8, requires_grad=True), leaf(channels, 1, 7, 7)
+    result, _ = aot_partition(f, x, w)
+    facts = result.facts
+    lowered = lower(facts)
+    (backward,) = [n for n in facts.nodes if n.target is torch.ops.aten.convolution_backward.default]
+    keeps = backward_schedule(facts, {n for n in facts.nodes if n.target is torch.ops.aten.convolution.default})
+    recomputes = backward_schedule(facts, set())
+    assert not runs_channels_last(keeps) and runs_channels_last(recomputes)
+    assert workspace_at(backward, False, lowered) == workspace_bytes(backward, facts) == 2 * w.numel() * 4
+
+    # The op itself at the graph's batch, channels-last, measured here.
+    args = [t.detach().contiguous(memory_format=torch.channels_last) for t in (torch.randn(4, channels, 8, 8), x)]
+    box = {}
+
+    def run():
+        box["out"] = torch.ops.aten.convolution_backward.default(
+            *args, w.detach(), [channels], [1, 1], [3, 3], [1, 1], False, [0, 0], channels, [True, True, True])
+
+    scratch = peak_cpu_bytes(run) - sum(t.numel() * t.element_size() for t in box["out"])
+    assert workspace_at(backward, True, lowered) == pytest.approx(scratch, rel=0.05)
+
+
+def test_a_dense_convolutions_backward_keeps_the_tables_scratch_channels_last():
+    """Measured at batch 1, a dense convolution's backward takes another
+    oneDNN path (ResNet's 512-channel 3x3: 0.03 weights of scratch, 2 at
+    batch 8): the table's two weights stay the floor."""
+    from partitioners.peak.lowering import workspace_at
+
+    def f(x, w):
+        return torch.nn.functional.conv2d(x, w, padding=1).relu().sum()
+
+    x, w = torch.randn(8, 32, 4, 4, requires_grad=True), leaf(32, 32, 3, 3)
+    result, _ = aot_partition(f, x, w)
+    facts = result.facts
+    (backward,) = [n for n in facts.nodes if n.target is torch.ops.aten.convolution_backward.default]
+    assert workspace_at(backward, True, lower(facts)) >= workspace_bytes(backward, facts) == 2 * w.numel() * 4
+
+
 def _backward_order(result):
     facts = result.facts
     saved = {n for n in facts.nodes if n.name in set(result.plan.saved)}

@@ -11,9 +11,10 @@ import torch.fx as fx
 from ..classify import GraphFacts
 from .buffers import buffer_reads, materialized
 from .layouts import copy_steps, relaid_contiguous
-from .lowering import LoweredGraph, lower, owner
+from .lowering import LoweredGraph, lower, owner, workspace_at
 from .memory_plan import _in_place_donor, _tuple_outputs, inductor_estimate, reuse_pool
 from .schedule import _loop_numel, _run_ends, backward_schedule, fused_across_externs, kernel_order, mm_at_its_add
+from .workspace import runs_channels_last
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,7 +145,7 @@ def walk(facts: GraphFacts, order: list[fx.Node], kept: set[fx.Node],
     alive = set(start) - facts.free_inputs
     live = start_bytes = sum(facts.nodes[b].nbytes for b in alive)
     curve, donations, workspace, written, freed, alive_at = [], [], [], [], [], []
-    workspaces = lowered.workspaces
+    channels_last = runs_channels_last(order)
     for step, node in enumerate(order):
         new: list[fx.Node] = []
         donated = 0
@@ -173,7 +174,7 @@ def walk(facts: GraphFacts, order: list[fx.Node], kept: set[fx.Node],
                 live += facts.nodes[copy].nbytes
         curve.append(live)
         donations.append(donated)
-        workspace.append(workspaces.get(node, 0))
+        workspace.append(workspace_at(node, channels_last, lowered))
         written.append(new)
         if trace is not None:
             alive_at.append(frozenset(alive))

@@ -25,7 +25,7 @@ import torch.fx as fx
 import ckpt_compat as compat
 from ..classify import GraphFacts
 from .kinds import _eager_strided, _owner, _runs_extern, value_kind
-from .workspace import workspace_bytes
+from .workspace import channels_last_workspace, workspace_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +40,9 @@ class LoweredGraph:
     """The nodes that run as extern kernels (matmuls, attention, fallbacks)."""
     workspaces: dict[fx.Node, int]
     """Per extern kernel that has some, its working memory (``workspace_bytes``)."""
+    channels_last_workspaces: dict[fx.Node, int | None]
+    """Per convolution backward, its working memory run channels-last
+    (``channels_last_workspace``; filled on demand, None: not measured)."""
     strided: frozenset[fx.Node]
     """Values a fused kernel writes whose eager strides are neither
     contiguous nor channels-last (``kinds._eager_strided``)."""
@@ -77,11 +80,29 @@ def _build(facts: GraphFacts, realize_reads: int, max_fused: int, unroll: int) -
         owners=owners,
         externs=externs,
         workspaces={node: nbytes for node, nbytes in workspaces.items() if nbytes},
+        channels_last_workspaces={},
         strided=frozenset(node for node in facts.nodes if _eager_strided(node, facts)),
         reinterpretable={},
         realize_reads=realize_reads,
         max_fused=max_fused,
     )
+
+
+def workspace_at(node: fx.Node, channels_last: bool, lowered: LoweredGraph) -> int:
+    """``node``'s working memory where its graph runs convolutions
+    channels-last or not (``runs_channels_last``). Channels-last, the
+    larger of the measured scratch and the table's: the measurement is at
+    batch 1, where oneDNN runs a dense convolution's backward another way
+    (0.03 weights of scratch, against 2 at batch 8; a depthwise one's is
+    the same at both)."""
+    table = lowered.workspaces.get(node, 0)
+    if channels_last and node in lowered.workspaces:
+        if node not in lowered.channels_last_workspaces:
+            lowered.channels_last_workspaces[node] = channels_last_workspace(node)
+        measured = lowered.channels_last_workspaces[node]
+        if measured is not None:
+            return max(measured, table)
+    return table
 
 
 def owner(node: fx.Node, facts: GraphFacts, lowered: LoweredGraph | None = None) -> fx.Node:

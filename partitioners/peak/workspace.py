@@ -33,7 +33,8 @@ FLOAT32_BYTES = 4
 # backward 73.3 MiB, three 9 MiB buffers alive at layer 4 where the model
 # had one.
 FORWARD_CONVOLUTIONS = _every_overload(aten.convolution)
-CONVOLUTIONS = FORWARD_CONVOLUTIONS | _every_overload(aten.convolution_backward)
+BACKWARD_CONVOLUTIONS = _every_overload(aten.convolution_backward)
+CONVOLUTIONS = FORWARD_CONVOLUTIONS | BACKWARD_CONVOLUTIONS
 
 
 def workspace_bytes(node: fx.Node, facts: GraphFacts) -> int:
@@ -56,6 +57,28 @@ def workspace_bytes(node: fx.Node, facts: GraphFacts) -> int:
 
 
 CPU_ATTENTION_BACKWARD = _every_overload(aten._scaled_dot_product_flash_attention_for_cpu_backward)
+
+
+def runs_channels_last(order: list[fx.Node]) -> bool:
+    """Whether Inductor runs the convolutions of a graph that computes
+    ``order`` channels-last: on CPU, a graph with a forward convolution
+    (a backward graph has one where the plan recomputes a convolution).
+    Then oneDNN's backward kernels take other paths than for the NCHW
+    values a backward without one hands them, with other scratch: ConvNeXt's
+    7x7 depthwise backward, 12.25 MiB at 256 channels (0.19 NCHW), made its
+    tight plans peak 33% above the model (``python -m bench.calibrate
+    convnext --budget 0.0``)."""
+    return any(node.target in FORWARD_CONVOLUTIONS for node in order) \
+        and compat.inductor_runs_cpu_convolutions_channels_last()
+
+
+def channels_last_workspace(node: fx.Node) -> int | None:
+    """``workspace_bytes`` of a convolution's backward run channels-last on
+    CPU, measured (``compat.channels_last_convolution_backward_scratch``);
+    None for other kernels, or where it cannot be measured."""
+    if node.target not in BACKWARD_CONVOLUTIONS:
+        return None
+    return compat.channels_last_convolution_backward_scratch(node)
 
 
 def _cpu_attention_workspace(node: fx.Node) -> int:
