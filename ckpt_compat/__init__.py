@@ -334,7 +334,9 @@ def after_backward(callback) -> None:
 def profiler_active() -> bool:
     """Whether a torch profiler is recording (its memory events must not be
     taken from under it)."""
-    return bool(torch.autograd.profiler._is_profiler_enabled)
+    # The Python flag misses a profiler started another way (legacy, ITT,
+    # from C++); the C++ one sees them all.
+    return bool(torch.autograd.profiler._is_profiler_enabled) or torch._C._autograd._profiler_enabled()
 
 
 def memory_events(prof, device_type: str = "cpu") -> list[tuple[int, int, int]]:
@@ -430,16 +432,16 @@ def inductor_relayouts_convolutions(gm: fx.GraphModule) -> bool:
         return False
 
 
-def inductor_runs_cpu_convolutions_channels_last() -> bool:
-    """Whether Inductor lays out the convolutions of a CPU graph holding a
-    forward convolution channels-last (``GraphLowering.decide_layout_opt``:
-    always, where oneDNN is enabled and available); a graph without one
-    keeps the strides eager gave its values."""
+def inductor_runs_cpu_convolutions_channels_last(has_convolution: bool) -> bool:
+    """Whether Inductor lays out a CPU graph's convolutions channels-last
+    (``GraphLowering.decide_layout_opt``): where forced, else where the graph
+    holds a forward convolution and oneDNN is enabled and available; a graph
+    without one keeps the strides eager gave its values."""
     config = torch._inductor.config
     if not config.layout_optimization:
         return False
     return bool(config.force_layout_optimization or (
-        torch.backends.mkldnn.enabled and torch.backends.mkldnn.is_available()
+        has_convolution and torch.backends.mkldnn.enabled and torch.backends.mkldnn.is_available()
     ))
 
 
@@ -449,21 +451,49 @@ _CONVOLUTION_SCRATCH: dict[tuple, int] = {}
 def channels_last_convolution_backward_scratch(node: fx.Node) -> int | None:
     """Working memory beyond its outputs of ``node``, an
     ``aten.convolution_backward`` of a 2-d CPU convolution, run
-    channels-last: measured once per process and shape (profiler memory
-    events), on zeros of batch 1. A depthwise backward's scratch depends on
-    the weight and kernel, not on the batch or the image (a 7x7 one holds
-    257 weight-sized buffers on AVX-512 CPUs, a 3x3 one two); a dense one
-    takes another path at batch 1 (callers keep a floor for it).
-    None where it cannot be measured (another profiler is recording, or
-    the op fails here)."""
+    channels-last (weight too, as Inductor passes it): measured once per
+    process and shape (profiler memory events), on zeros of batch 1. A
+    depthwise backward's scratch depends on the weight and kernel, not on
+    the batch or the image (a 7x7 one holds 257 weight-sized buffers on
+    AVX-512 CPUs, 65 on AVX2, a 3x3 one two); a dense one takes another
+    path at batch 1 (callers keep a floor for it). None where it cannot be
+    measured: another profiler is recording, a size other than the batch
+    is symbolic, or the op fails here."""
     grad, value, weight = (arg.meta.get("val") if isinstance(arg, fx.Node) else None for arg in node.args[:3])
     if not all(isinstance(t, torch.Tensor) and t.dim() == 4 and t.device.type == "cpu" for t in (grad, value, weight)):
         return None
     rest = tuple(tuple(a) if isinstance(a, (list, tuple)) else a for a in node.args[3:])
-    shapes = tuple(tuple(hint_int(size) for size in t.shape[1:]) for t in (grad, value)) + (tuple(weight.shape),)
+    sizes = (*grad.shape[1:], *value.shape[1:], *weight.shape,
+             *(a for arg in rest for a in (arg if isinstance(arg, tuple) else (arg,))))
+    if any(isinstance(size, torch.SymInt) for size in sizes):
+        return None  # a dynamic image or channel count: not one shape to measure
+    shapes = (tuple(grad.shape[1:]), tuple(value.shape[1:]), tuple(weight.shape))
     key = (shapes, value.dtype, rest, torch.get_num_threads())
     if key in _CONVOLUTION_SCRATCH:
         return _CONVOLUTION_SCRATCH[key]
+    if profiler_active():
+        return None
+    from torch.profiler import ProfilerActivity, profile
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    def zeros(shape):
+        return torch.zeros(shape, dtype=value.dtype, device="cpu").contiguous(memory_format=torch.channels_last)
+
+    try:
+        # The partitioner runs under the compile's fake mode: real tensors here.
+        with unset_fake_temporarily(), torch.no_grad():
+            operands = (zeros((1, *shapes[0])), zeros((1, *shapes[1])), zeros(shapes[2]))
+            with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+                outputs = torch.ops.aten.convolution_backward.default(*operands, *node.args[3:])
+        live = peak = 0
+        for _, _, nbytes in memory_events(prof):
+            live += nbytes
+            peak = max(peak, live)
+    except Exception:  # an op or a profiler this torch does not have: not measured
+        return None
+    returned = sum(t.numel() * t.element_size() for t in outputs if isinstance(t, torch.Tensor))
+    _CONVOLUTION_SCRATCH[key] = max(peak - returned, 0)
+    return _CONVOLUTION_SCRATCH[key]
     if profiler_active():
         return None
     from torch.profiler import ProfilerActivity, profile

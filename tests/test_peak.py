@@ -193,6 +193,7 @@ def test_cpu_convolutions_hold_a_weight_sized_buffer_per_weight_layout_they_writ
     assert workspace_bytes(by_target[torch.ops.aten.convolution_backward], facts) == 2 * weight_bytes
 
 
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="Inductor lays out CPU convolutions channels-last only with oneDNN")
 def test_a_backward_that_recomputes_a_convolution_runs_its_convolutions_channels_last():
     """On CPU, Inductor lays a graph's convolutions out channels-last when
     the graph holds a forward convolution: a backward that recomputes one.
@@ -226,7 +227,8 @@ def test_a_backward_that_recomputes_a_convolution_runs_its_convolutions_channels
 
     def run():
         box["out"] = torch.ops.aten.convolution_backward.default(
-            *args, w.detach(), [channels], [1, 1], [3, 3], [1, 1], False, [0, 0], channels, [True, True, True])
+            *args, w.detach().contiguous(memory_format=torch.channels_last),
+            [channels], [1, 1], [3, 3], [1, 1], False, [0, 0], channels, [True, True, True])
 
     scratch = peak_cpu_bytes(run) - sum(t.numel() * t.element_size() for t in box["out"])
     assert workspace_at(backward, True, lowered) == pytest.approx(scratch, rel=0.05)

@@ -68,8 +68,9 @@ def runs_channels_last(order: list[fx.Node]) -> bool:
     7x7 depthwise backward, 12.25 MiB at 256 channels (0.19 NCHW), made its
     tight plans peak 33% above the model (``python -m bench.calibrate
     convnext --budget 0.0``)."""
-    return any(node.target in FORWARD_CONVOLUTIONS for node in order) \
-        and compat.inductor_runs_cpu_convolutions_channels_last()
+    return compat.inductor_runs_cpu_convolutions_channels_last(
+        any(node.target in FORWARD_CONVOLUTIONS for node in order)
+    )
 
 
 def channels_last_workspace(node: fx.Node) -> int | None:
