@@ -234,6 +234,23 @@ def test_a_backward_that_recomputes_a_convolution_runs_its_convolutions_channels
     assert workspace_at(backward, True, lowered) == pytest.approx(scratch, rel=0.05)
 
 
+def test_a_convolution_backward_of_symbolic_sizes_is_not_measured():
+    """Channels and images of symbolic size are no one shape to measure:
+    the table's count stands (a SymInt in the cache key raised out of the
+    partitioner)."""
+    import ckpt_compat as compat
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def backward(grad, x, w):
+        return torch.ops.aten.convolution_backward.default(
+            grad, x, w, [w.shape[0]], [1, 1], [1, 1], [1, 1], False, [0, 0], 1, [True, True, False])
+
+    gm = make_fx(backward, tracing_mode="symbolic")(torch.randn(2, 8, 6, 6), torch.randn(2, 4, 6, 6), torch.randn(8, 4, 3, 3))
+    (node,) = [n for n in gm.graph.nodes if n.target is torch.ops.aten.convolution_backward.default]
+    assert any(isinstance(size, torch.SymInt) for size in node.args[2].meta["val"].shape)
+    assert compat.channels_last_convolution_backward_scratch(node) is None
+
+
 def test_a_dense_convolutions_backward_keeps_the_tables_scratch_channels_last():
     """Measured at batch 1, a dense convolution's backward takes another
     oneDNN path (ResNet's 512-channel 3x3: 0.03 weights of scratch, 2 at
