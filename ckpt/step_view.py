@@ -714,13 +714,7 @@ def _stop_meter(meter, end_ns: int) -> int | None:
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - state
     _quietly(lambda: state.__exit__(None, None, None))
-    live = peak = 0
-    for time_ns, _, nbytes in compat.memory_events(state):
-        if time_ns > end_ns:
-            break
-        live += nbytes
-        peak = max(peak, live)
-    return peak
+    return compat.memory_peak(state, until_ns=end_ns)
 
 
 def _quietly(action):

@@ -74,6 +74,7 @@ __all__ = [
     "is_tangent",
     "is_with_effects",
     "memory_events",
+    "memory_peak",
     "module_stack",
     "must_be_in_backward",
     "must_be_in_forward",
@@ -354,6 +355,18 @@ def memory_events(prof, device_type: str = "cpu") -> list[tuple[int, int, int]]:
     return sorted(events, key=lambda e: e[0])
 
 
+def memory_peak(prof, until_ns: int | None = None) -> int:
+    """The running maximum of a finished CPU profile's live bytes (above
+    what was alive when it started), over its events up to ``until_ns``."""
+    live = peak = 0
+    for time_ns, _, nbytes in memory_events(prof):
+        if until_ns is not None and time_ns > until_ns:
+            break
+        live += nbytes
+        peak = max(peak, live)
+    return peak
+
+
 def cse(gm: fx.GraphModule) -> None:
     """Common-subexpression elimination on a joint graph, in place."""
     gm.graph = fx_graph_cse(gm.graph)
@@ -485,34 +498,7 @@ def channels_last_convolution_backward_scratch(node: fx.Node) -> int | None:
             operands = (zeros((1, *shapes[0])), zeros((1, *shapes[1])), zeros(shapes[2]))
             with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
                 outputs = torch.ops.aten.convolution_backward.default(*operands, *node.args[3:])
-        live = peak = 0
-        for _, _, nbytes in memory_events(prof):
-            live += nbytes
-            peak = max(peak, live)
-    except Exception:  # an op or a profiler this torch does not have: not measured
-        return None
-    returned = sum(t.numel() * t.element_size() for t in outputs if isinstance(t, torch.Tensor))
-    _CONVOLUTION_SCRATCH[key] = max(peak - returned, 0)
-    return _CONVOLUTION_SCRATCH[key]
-    if profiler_active():
-        return None
-    from torch.profiler import ProfilerActivity, profile
-
-    def zeros(shape):
-        return torch.zeros(shape, dtype=value.dtype).contiguous(memory_format=torch.channels_last)
-
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-    try:
-        # The partitioner runs under the compile's fake mode: real tensors here.
-        with unset_fake_temporarily(), torch.no_grad():
-            operands = (zeros((1, *shapes[0])), zeros((1, *shapes[1])), torch.zeros(shapes[2], dtype=value.dtype))
-            with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-                outputs = torch.ops.aten.convolution_backward.default(*operands, *node.args[3:])
-        live = peak = 0
-        for _, _, nbytes in memory_events(prof):
-            live += nbytes
-            peak = max(peak, live)
+        peak = memory_peak(prof)
     except Exception:  # an op or a profiler this torch does not have: not measured
         return None
     returned = sum(t.numel() * t.element_size() for t in outputs if isinstance(t, torch.Tensor))
