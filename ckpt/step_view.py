@@ -693,15 +693,14 @@ def _first_requiring_grad(outputs):
 
 def _start_meter():
     """Start measuring the step's peak: CUDA's counter, or on CPU the
-    profiler's memory events."""
+    profiler's memory events (and no operator events: the meter is stopped
+    in a later graph call than the one it starts in, see
+    ``compat.start_recording_memory``)."""
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.reset_peak_memory_stats()
         return ("cuda", torch.cuda.memory_allocated())
-    from torch.profiler import ProfilerActivity, profile
-
-    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-    _quietly(prof.__enter__)
-    return ("cpu", prof)
+    _quietly(compat.start_recording_memory)
+    return ("cpu", None)
 
 
 def _stop_meter(meter, end_ns: int) -> int | None:
@@ -713,8 +712,8 @@ def _stop_meter(meter, end_ns: int) -> int | None:
     if kind == "cuda":
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - state
-    _quietly(lambda: state.__exit__(None, None, None))
-    return compat.memory_peak(state, until_ns=end_ns)
+    recorded = _quietly(compat.stop_recording_memory)
+    return None if recorded is None else compat.memory_peak(recorded, until_ns=end_ns)
 
 
 def _quietly(action):

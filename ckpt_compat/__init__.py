@@ -75,6 +75,8 @@ __all__ = [
     "is_with_effects",
     "memory_events",
     "memory_peak",
+    "start_recording_memory",
+    "stop_recording_memory",
     "module_stack",
     "must_be_in_backward",
     "must_be_in_forward",
@@ -343,9 +345,11 @@ def profiler_active() -> bool:
 def memory_events(prof, device_type: str = "cpu") -> list[tuple[int, int, int]]:
     """``(time_ns, address, bytes)`` of a finished profile's ``[memory]``
     events on one device type, in time order (ties keep the profiler's
-    order; bytes are negative for frees). Reads the profiler's private
-    event tree, which gives each event its address."""
-    events, stack = [], list(reversed(prof.profiler.kineto_results.experimental_event_tree()))
+    order; bytes are negative for frees). ``prof`` is a ``torch.profiler``
+    profile or what ``stop_recording_memory`` returned. Reads the
+    profiler's private event tree, which gives each event its address."""
+    results = prof.profiler.kineto_results if hasattr(prof, "profiler") else prof
+    events, stack = [], list(reversed(results.experimental_event_tree()))
     while stack:  # depth first, in the tree's order
         node = stack.pop()
         stack.extend(reversed(node.children))
@@ -365,6 +369,44 @@ def memory_peak(prof, until_ns: int | None = None) -> int:
         live += nbytes
         peak = max(peak, live)
     return peak
+
+
+# No record function's scope is this one in a training step, so a recorder
+# that listens only to it gets no record-function callbacks.
+_UNUSED_SCOPE = "LITE_INTERPRETER"
+
+
+def start_recording_memory() -> None:
+    """Start the profiler with its memory events and nothing else: no
+    record-function callbacks, so no operator events.
+
+    Why not ``torch.profiler.profile``: a profiler that is stopped while a
+    record function it saw begin is still open, and followed by another
+    before that function ends, corrupts the heap (the function's end writes
+    into the first profiler's freed event; valgrind shows the write in
+    ``onFunctionExit``). The step view starts its recorder in one graph call
+    and stops it in a later one, inside Dynamo's and autograd's record
+    functions, so it must not give them any. Also cheaper: no per-operator
+    events."""
+    from torch._C._profiler import RecordScope, _ExperimentalConfig
+    from torch.autograd import ProfilerActivity, ProfilerConfig, ProfilerState, _enable_profiler, _prepare_profiler
+
+    config = ProfilerConfig(ProfilerState.KINETO, False, True, False, False, False, _ExperimentalConfig(), "")
+    activities = {ProfilerActivity.CPU}
+    _prepare_profiler(config, activities)
+    _enable_profiler(config, activities, {getattr(RecordScope, _UNUSED_SCOPE)})
+
+
+def stop_recording_memory():
+    """Stop what ``start_recording_memory`` started; its events, for
+    ``memory_events`` and ``memory_peak``. None where a profiler of the
+    user's started meanwhile (it replaces the recorder): that one is left
+    running, and the recording is lost."""
+    from torch.autograd import _disable_profiler
+
+    if torch.autograd.profiler._is_profiler_enabled or not torch._C._autograd._profiler_enabled():
+        return None
+    return _disable_profiler()
 
 
 def cse(gm: fx.GraphModule) -> None:
@@ -486,7 +528,6 @@ def channels_last_convolution_backward_scratch(node: fx.Node) -> int | None:
         return _CONVOLUTION_SCRATCH[key]
     if profiler_active():
         return None
-    from torch.profiler import ProfilerActivity, profile
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     def zeros(shape):
@@ -496,9 +537,14 @@ def channels_last_convolution_backward_scratch(node: fx.Node) -> int | None:
         # The partitioner runs under the compile's fake mode: real tensors here.
         with unset_fake_temporarily(), torch.no_grad():
             operands = (zeros((1, *shapes[0])), zeros((1, *shapes[1])), zeros(shapes[2]))
-            with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            start_recording_memory()
+            try:
                 outputs = torch.ops.aten.convolution_backward.default(*operands, *node.args[3:])
-        peak = memory_peak(prof)
+            finally:
+                recorded = stop_recording_memory()
+        if recorded is None:
+            return None
+        peak = memory_peak(recorded)
     except Exception:  # an op or a profiler this torch does not have: not measured
         return None
     returned = sum(t.numel() * t.element_size() for t in outputs if isinstance(t, torch.Tensor))

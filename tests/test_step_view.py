@@ -4,6 +4,8 @@ size bucket of a dynamic graph. Small models, Inductor codegen on CPU.
 
 Peaks are measured as the bench does (bench.measure.peak_cpu_bytes: the
 profiler's memory events over one forward and backward)."""
+import time
+
 import pytest
 import torch
 import torch._dynamo
@@ -295,3 +297,49 @@ def test_parameters_freed_by_the_steps_end_were_gathered_for_it():
     assert calls.freed_parameters() == (256 * 4, 0)
     del gathered  # a parameter gone altogether was not gathered by a sharding
     assert calls.freed_parameters() == (0, 0)
+
+
+def test_the_cpu_meter_records_allocations_and_gives_record_functions_no_callbacks():
+    """The meter starts in one graph call and stops in a later one, inside
+    record functions (Dynamo's compiled region, autograd's nodes) that began
+    while it ran; a profiler with record-function callbacks, stopped there
+    and followed by another, corrupts the heap when they end (their end
+    writes into its freed events). The meter records memory events only."""
+    import ckpt_compat as compat
+
+    compat.start_recording_memory()
+    try:
+        with torch.autograd.profiler.record_function("opened under the meter"):
+            x = torch.ones(1000)
+            y = x * 2
+            del x
+    finally:
+        recorded = compat.stop_recording_memory()
+    names = {event.name for event in recorded.experimental_event_tree()}
+    assert names == {"[memory]"}, names
+    # x and y, 4000 bytes each (the record function itself holds a few bytes)
+    assert [n for _, _, n in compat.memory_events(recorded) if abs(n) >= 1000] == [4000, 4000, -4000]
+    del y
+
+    meter = step_view._start_meter()
+    z = torch.ones(250)  # 1000 bytes
+    assert step_view._stop_meter(meter, time.time_ns()) == 1000
+    assert not compat.profiler_active()
+    del z
+
+
+def test_a_profiler_the_user_starts_while_the_meter_runs_is_left_running():
+    """A user's profiler replaces the meter: the meter's step is not
+    measured, and stopping the meter does not stop the user's profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    meter = step_view._start_meter()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        assert step_view._stop_meter(meter, time.time_ns()) is None
+        torch.ones(8).mul(2)
+    assert any(event.name == "aten::mul" for event in prof.events())
+
+    meter = step_view._start_meter()
+    with profile(activities=[ProfilerActivity.CPU]):
+        pass
+    assert step_view._stop_meter(meter, time.time_ns()) is None
