@@ -7,7 +7,10 @@ rotary), Gemma (GeGLU, one KV head, tied embeddings). Others: T5
 (encoder-decoder, relative position bias, cross-attention), ConvNeXt
 (depthwise convolutions, LayerNorm over channels with permutes), Whisper
 (audio: a convolutional front end, then an encoder-decoder) and Swin
-(windowed attention with shifted windows and relative position bias).
+(windowed attention with shifted windows and relative position bias),
+MobileNetV2 (inverted residuals, depthwise convolutions, BatchNorm) and
+Mamba2 (a state-space decoder: a causal depthwise convolution, then
+transformers' PyTorch chunked scan, no attention).
 """
 from __future__ import annotations
 
@@ -134,6 +137,19 @@ def _mobilenet_v2(layers, width, seq):
     return tf.MobileNetV2ForImageClassification(config)
 
 
+def _mamba2(layers, width, seq):
+    import transformers as tf
+
+    # Mamba2's published shape scaled to ``width``: expand 2, heads of 32,
+    # one group, its default chunk of 256 tokens; the state of 32 (published
+    # 128) keeps the state at width / 4 as in the published models.
+    config = tf.Mamba2Config(
+        vocab_size=VOCAB, hidden_size=width, num_hidden_layers=layers, expand=2, head_dim=32,
+        num_heads=2 * width // 32, n_groups=1, state_size=width // 4, chunk_size=256, use_cache=False,
+    )
+    return tf.Mamba2ForCausalLM(config)
+
+
 def _tokens(generator, batch, seq):
     tokens = torch.randint(VOCAB, (batch, seq), generator=generator)
     return {"input_ids": tokens, "labels": tokens}
@@ -173,6 +189,7 @@ FAMILIES: dict[str, Family] = {
         Family("convnext", _convnext, _images, per_layer_checkpointing=False, size=(6, 64, 64, 8)),
         Family("swin", _swin, _images, size=(6, 64, 64, 8)),
         Family("mobilenet_v2", _mobilenet_v2, _images, per_layer_checkpointing=False, size=(17, 64, 64, 8)),
+        Family("mamba2", _mamba2, _tokens, decoder=True),
     )
 }
 

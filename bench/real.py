@@ -17,7 +17,7 @@ from bench.cases import Case
 # name -> package it needs
 REAL = {name: "transformers" for name in ("gpt2", "llama", "bert", "vit", "resnet", "llama8")}
 # Families at realistic sizes (bench/families.py) the peak model was not fitted on.
-FAMILY_CASES = ("t5", "convnext", "gpt_neox", "gemma", "whisper", "swin", "mobilenet_v2")
+FAMILY_CASES = ("t5", "convnext", "gpt_neox", "gemma", "whisper", "swin", "mobilenet_v2", "mamba2")
 REAL.update({name: "transformers" for name in FAMILY_CASES})
 
 SEQ, VOCAB, BATCH = 64, 512, 4  # tiny: CPU-sized, like the built-in GPT

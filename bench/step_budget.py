@@ -1,6 +1,6 @@
 """Budgets in the step, as users compile (per block, with graph breaks, whole
 model), on architecture families of bench/families.py the peak model was
-not fitted on: decoders (Qwen2, Mistral, GPT-NeoX, Gemma) and T5, Whisper,
+not fitted on: decoders (Qwen2, Mistral, GPT-NeoX, Gemma, Mamba2) and T5, Whisper,
 ConvNeXt and Swin; transformers configs, random weights, no downloads.
 
     python -m bench.step_budget                       # Qwen2, GPT-NeoX, Gemma; every layout

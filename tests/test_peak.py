@@ -1,6 +1,7 @@
 """The peak model on tiny graphs (no Inductor codegen but in the one test
 named for it): which values get a buffer, and the predicted forward and
 backward peaks, byte for byte."""
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -443,6 +444,48 @@ def test_a_copied_view_is_written_with_its_base_which_cannot_overwrite_the_matmu
     # g reads mm in eager's order but writes its own: not in place. The
     # kernel writing g writes the copy too, while mm is still alive.
     assert walk(facts, order, kept=set()) == 3 * size
+
+
+def test_a_view_two_matmuls_read_is_copied_for_each():
+    b, t, e, h = 4, 8, 2, 16
+
+    def f(x, w_in, w_out, w_other):
+        u = (x @ w_in).view(b, t, e, h).permute(0, 2, 1, 3)
+        g = (torch.sigmoid(u) * u).permute(1, 0, 2, 3).reshape(e, b * t, h)
+        return (torch.bmm(g, w_out).sum() + torch.bmm(g, w_other).sum()).reshape(1)
+
+    result, _ = aot_partition(f, leaf(b * t, 8), leaf(8, e * h), leaf(e, h, 8), leaf(e, h, 8))
+    facts = result.facts
+    order = [n for n in facts.nodes if n in facts.forward]
+    size = b * t * e * h * 4
+    # Inductor's realize_input copies the view once per matmul reading it,
+    # and writes both copies with g: mm, g and two copies alive at once.
+    assert walk(facts, order, kept=set()) == 4 * size
+
+
+def _late_write_graph():
+    """A fused run after a matmul: a sum reads the matmul's output m for the
+    last time, then sin(x * s) is written for a second, narrow matmul."""
+    def f(x, w, v):
+        m = x @ w
+        s = m.sum(1, keepdim=True)
+        return (torch.sin(x * s) @ v).sum().reshape(1)
+
+    result, _ = aot_partition(f, leaf(64, 64), leaf(64, 64), leaf(64, 1))
+    facts = result.facts
+    return facts, [n for n in facts.nodes if n in facts.forward]
+
+
+def test_on_cpu_a_fused_run_frees_what_it_reads_when_it_ends():
+    facts, order = _late_write_graph()
+    lowered = lower(facts)
+    # Inductor's C++ backend calls the run (the sum and sin's kernel) as one
+    # function and frees m after it: m and sin's output are alive together.
+    assert lowered.one_call_per_run
+    assert walk(facts, order, kept=set(), lowered=lowered) == 2 * N + 64 * 4
+    # Kernel by kernel (GPU), m is freed by the sum, before sin is written.
+    per_kernel = dataclasses.replace(lowered, one_call_per_run=False)
+    assert walk(facts, order, kept=set(), lowered=per_kernel) == N + 64 * 4
 
 
 def _fusion_case(extern_reads_first: bool):

@@ -134,11 +134,11 @@ def walk(facts: GraphFacts, order: list[fx.Node], kept: set[fx.Node],
         for copy in copies.get(step, ()):  # a copy reads its base where it is written
             for buffer in reads[copy]:
                 last_read[buffer] = max(last_read.get(buffer, step), step)
+    run_end = _run_ends(order, lowered)
     frees: dict[int, list[fx.Node]] = {}
     for buffer, step in last_read.items():
         if buffer not in kept:
-            frees.setdefault(step, []).append(buffer)
-    run_end = _run_ends(order, lowered)
+            frees.setdefault(run_end[step] if lowered.one_call_per_run else step, []).append(buffer)
     run_first = [0] * len(order)  # per step, the first step of its run
     for step in range(1, len(order)):
         run_first[step] = step if run_end[step - 1] == step - 1 else run_first[step - 1]
@@ -190,10 +190,35 @@ def walk(facts: GraphFacts, order: list[fx.Node], kept: set[fx.Node],
             curve[step] += facts.nodes[buffer].nbytes
             if trace is not None:
                 alive_at[step] |= {buffer}
+    for copy, first, last in _repeated_copies(order, copies, lowered):
+        for step in range(first, last + 1):
+            curve[step] += facts.nodes[copy].nbytes
     running = [c + w for c, w in zip(curve, workspace)]
     if trace is not None:
         trace.extend(zip(order, running, alive_at, estimate))
     return max([start_bytes, *running])
+
+
+def _repeated_copies(order: list[fx.Node], copies: dict[int, list[fx.Node]],
+                     lowered: LoweredGraph) -> list[tuple[fx.Node, int, int]]:
+    """``(copied view, first step, last step)`` of each copy after the first
+    of a view that several extern kernels read: Inductor copies such a view
+    for each (``ExternKernel.realize_input`` calls ``copy_input`` per kernel
+    input, with no cache), and the scheduler fuses every copy where it
+    fuses the first, so each lives from there to its own reader. Seen in
+    Mamba2's chunked scan at budget 0.0: the two matmuls of ``Y_diag``'s
+    backward read one view of the recomputed ``M``, and the kernel before
+    the first writes two 8 MiB copies of it."""
+    written_at = {copy: step for step, written in copies.items() for copy in written}
+    spans, seen = [], set()
+    for step, node in enumerate(order):
+        if node in lowered.externs:
+            for arg in node.all_input_nodes:
+                if arg in written_at and written_at[arg] <= step:
+                    if arg in seen:
+                        spans.append((arg, written_at[arg], step))
+                    seen.add(arg)
+    return spans
 
 
 def _read_by_a_sibling(buffer: fx.Node, step: int, order: list[fx.Node], read_at: dict, run_first: list[int],

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
 import torch.fx as fx
 
 import ckpt_compat as compat
@@ -55,6 +56,12 @@ class LoweredGraph:
     per reader."""
     max_fused: int
     """torch._inductor.config.max_fusion_size: nodes in one fused kernel."""
+    one_call_per_run: bool = False
+    """A CPU graph: Inductor's C++ backend writes the fused kernels between
+    two extern kernels as one function, called once, and frees what they
+    read after that call (codegen/cpp.py ``kernel_group``, flushed at the
+    next extern kernel; the scheduler frees at ``flush``). On GPU each
+    kernel frees its inputs as it ends."""
 
 
 def lower(facts: GraphFacts) -> LoweredGraph:
@@ -85,7 +92,16 @@ def _build(facts: GraphFacts, realize_reads: int, max_fused: int, unroll: int) -
         reinterpretable={},
         realize_reads=realize_reads,
         max_fused=max_fused,
+        one_call_per_run=_on_cpu(facts),
     )
+
+
+def _on_cpu(facts: GraphFacts) -> bool:
+    for node in facts.nodes:
+        value = node.meta.get("val")
+        if isinstance(value, torch.Tensor):
+            return value.device.type == "cpu"
+    return False
 
 
 def workspace_at(node: fx.Node, channels_last: bool, lowered: LoweredGraph) -> int:
