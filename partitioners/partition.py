@@ -22,6 +22,7 @@ import ckpt_compat as compat
 from .classify import GraphFacts, classify
 from .config import Config, ConfigError, warn_once
 from .budget import graph_device, resolved_budget, solve_with_budget
+from . import peak
 from .cost import profile_for
 from .plan import Plan, build_plan
 from .regions import label_regions, solve_regions
@@ -91,7 +92,31 @@ def _decide(joint_gm, num_fwd_outputs, static_lifetime_input_indices, config: Co
     )
     if config.memory_budget is None:
         return solve()
+    _shared_copies_where_lower(joint_gm, solve, num_fwd_outputs, static_lifetime_input_indices)
     return _unfolded_where_lower(joint_gm, solve)
+
+
+def _shared_copies_where_lower(joint_gm, solve, num_fwd_outputs, static_lifetime_input_indices) -> None:
+    """Under a budget, leaves the joint graph with one clone per view that
+    matmuls read and Inductor would copy (passes/joint.py
+    ``share_matmul_copies``) where the peak model predicts the plan lower
+    with them, by at least ``UNFOLDING_GAIN``; else as it was."""
+    facts = classify(joint_gm, num_fwd_outputs=num_fwd_outputs,
+                     static_lifetime_input_indices=static_lifetime_input_indices)
+    kept = {peak.owner(n, facts) for n in (*facts.forward_outputs, *facts.backward_outputs)}
+    copied = peak.copied_views(facts, list(facts.nodes), kept)
+    if not copied:
+        return
+    (_, plan), _ = _solve_quietly(solve)
+    if not joint_passes.shared_copies(joint_passes.share_matmul_copies(joint_gm, copied)):
+        return
+    (_, shared_plan), _ = _solve_quietly(solve)
+    if (shared_plan.fits, plan.fits) == (True, False) or (
+        shared_plan.fits == plan.fits
+        and shared_plan.estimated_peak_bytes < plan.estimated_peak_bytes * (1 - UNFOLDING_GAIN)
+    ):
+        return
+    joint_passes.unshare_matmul_copies(joint_gm)
 
 
 def _solve(joint_gm, num_fwd_outputs, static_lifetime_input_indices, config: Config, step=None,

@@ -179,3 +179,82 @@ def _late_fold(matmul, other, add: fx.Node, position: dict, heavy: list[int]) ->
     return any(start < at < end for at in heavy)
 
 
+
+
+def share_matmul_copies(gm: fx.GraphModule, copied: set[fx.Node]) -> fx.GraphModule:
+    """Gives each view of ``copied`` (views a matmul reads that Inductor
+    would copy: ``partitioners.peak.copied_views``) one contiguous
+    ``clone`` its matmuls read instead. Inductor realizes such a view's
+    base and then copies the view once per matmul (``realize_input``,
+    ``copy_input``); a clone is one buffer, computed from the base inside
+    its own kernel, so the base needs no buffer of its own. Mamba2's
+    chunked scan: ``G * L`` and its copy in forward, the recomputed
+    product and two copies of it in backward, each 8 MiB. The clone
+    carries ``_SHARED_COPY`` (``unshare_matmul_copies`` undoes it)."""
+    changed = False
+    for view in copied:
+        readers = [user for user in view.users if _is_matmul(user)]
+        value = view.meta.get("val")
+        if not readers or not isinstance(value, torch.Tensor):
+            continue
+        # A copy into strides other than the view's: Inductor's post-grad
+        # pass drops a clone whose strides equal its input's as a no-op.
+        stride = _last_two_swapped(value)
+        if stride is None:
+            continue
+        with gm.graph.inserting_after(view):
+            empty = gm.graph.call_function(
+                torch.ops.aten.empty_strided.default, (list(value.shape), stride),
+                {"dtype": value.dtype, "device": value.device},
+            )
+        with gm.graph.inserting_after(empty):
+            clone = gm.graph.call_function(torch.ops.aten.copy.default, (empty, view))
+        meta = {key: item for key, item in view.meta.items() if key not in ("val", "tensor_meta")}
+        empty.meta = {**meta, "val": torch.empty_strided(value.shape, stride, dtype=value.dtype, device="meta")}
+        clone.meta = {**meta, "val": value.new_empty_strided(value.shape, stride), _SHARED_COPY: True}
+        for reader in readers:
+            reader.replace_input_with(view, clone)
+        changed = True
+    if changed:
+        gm.recompile()
+    return gm
+
+
+def unshare_matmul_copies(gm: fx.GraphModule) -> fx.GraphModule:
+    """Undoes ``share_matmul_copies``."""
+    clones = shared_copies(gm)
+    for clone in clones:
+        empty, view = clone.args
+        clone.replace_all_uses_with(view)
+        gm.graph.erase_node(clone)
+        gm.graph.erase_node(empty)
+    if clones:
+        gm.recompile()
+    return gm
+
+
+def shared_copies(gm: fx.GraphModule) -> list[fx.Node]:
+    """The clones ``share_matmul_copies`` made."""
+    return [node for node in gm.graph.nodes if node.meta.get(_SHARED_COPY)]
+
+
+_SHARED_COPY = "ckpt_shared_copy"
+_MATMULS = frozenset({"mm", "bmm"})
+
+
+def _last_two_swapped(value: torch.Tensor) -> list | None:
+    """Column-major strides in the last two dimensions (None below two)."""
+    if value.dim() < 2 or any(isinstance(size, torch.SymInt) for size in value.shape):
+        return None
+    *batch, rows, cols = value.shape
+    stride, step = [0] * value.dim(), rows * cols
+    stride[-2:] = [1, rows]
+    for dim in reversed(range(len(batch))):
+        stride[dim] = step
+        step *= batch[dim]
+    return stride
+
+
+def _is_matmul(node: fx.Node) -> bool:
+    packet = getattr(node.target, "overloadpacket", None)
+    return node.op == "call_function" and getattr(packet, "__name__", None) in _MATMULS

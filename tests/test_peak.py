@@ -10,7 +10,7 @@ from conftest import aot_partition
 
 from bench.measure import peak_cpu_bytes
 from ckpt.backend import make_backend
-from partitioners.config import Config
+from partitioners.config import Config, MemoryBudget
 from partitioners.ops import OpCategory
 from partitioners.peak import (
     backward_schedule, buffer_reads, copied_views, estimate_step_peak, fused_across_externs, inductor_estimate,
@@ -461,6 +461,64 @@ def test_a_view_two_matmuls_read_is_copied_for_each():
     # Inductor's realize_input copies the view once per matmul reading it,
     # and writes both copies with g: mm, g and two copies alive at once.
     assert walk(facts, order, kept=set()) == 4 * size
+
+
+def _two_matmuls_of_a_copied_view(b=4, t=8, e=2, h=16):
+    def f(x, w_in, w_out, w_other):
+        u = (x @ w_in).view(b, t, e, h).permute(0, 2, 1, 3)
+        g = (torch.sigmoid(u) * u).permute(1, 0, 2, 3).reshape(e, b * t, h)
+        return (torch.bmm(g, w_out).sum() + torch.bmm(g, w_other).sum()).reshape(1)
+
+    # The second operands need no gradient: backward reads no copy, so the
+    # forward's copies make the step's peak.
+    return f, (leaf(b * t, 8), leaf(8, e * h), torch.randn(e, h, 8), torch.randn(e, h, 8))
+
+
+def test_one_copy_for_the_matmuls_of_a_view_inductor_would_copy():
+    from passes import joint
+
+    f, args = _two_matmuls_of_a_copied_view()
+    result, _ = aot_partition(f, *args)
+    facts = result.facts
+    order = [n for n in facts.nodes if n in facts.forward]
+    (view,) = copied_views(facts, order, kept=set())
+    gm = view.graph.owning_module
+    code = gm.code
+    joint.share_matmul_copies(gm, {view})
+    (copy,) = joint.shared_copies(gm)
+    assert {u.target for u in copy.users} == {torch.ops.aten.bmm.default} and len(copy.users) == 2
+    # strides other than the view's, or Inductor drops the copy as a no-op
+    assert copy.meta["val"].stride() == (512, 1, 32) != view.meta["val"].stride()
+    joint.unshare_matmul_copies(gm)
+    assert gm.code == code and not joint.shared_copies(gm)
+
+
+def test_under_a_budget_matmuls_share_a_copy_lowering_the_measured_peak(monkeypatch):
+    import partitioners.partition as partition_module
+
+    f, args = _two_matmuls_of_a_copied_view()
+    expected = torch.autograd.grad(f(*args), args[:2])
+
+    def step(share: bool):
+        if not share:
+            monkeypatch.setattr(partition_module, "_shared_copies_where_lower", lambda *a: None)
+        torch._dynamo.reset()
+        compiled = torch.compile(f, backend=make_backend(memory_budget=0.0))
+        got = torch.autograd.grad(compiled(*args), args[:2])  # compiles
+        for g, e in zip(got, expected):
+            torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6)
+        return peak_cpu_bytes(lambda: compiled(*args))  # the forward, where the copies are
+
+    # What the peak model predicts for the two forwards.
+    plain, _ = aot_partition(f, *args)
+    budgeted, _ = aot_partition(f, *args, config=Config(memory_budget=MemoryBudget.parse("0.0")))
+    predicted = [walk(r.facts, [n for n in r.facts.nodes if n in r.facts.forward], kept=set())
+                 for r in (budgeted, plain)]
+    shared, unshared = step(True), step(False)
+    # Inductor's: mm, g and two copies of g, 4096 bytes each. Shared: one
+    # copy computing g inside it, written over mm's freed buffer, then a
+    # matmul's output (2048) and its sum.
+    assert [shared, unshared] == predicted == [4096 + 2048 + 4, 4 * 4096]
 
 
 def _late_write_graph():
