@@ -111,10 +111,7 @@ def _shared_copies_where_lower(joint_gm, solve, num_fwd_outputs, static_lifetime
     if not joint_passes.shared_copies(joint_passes.share_matmul_copies(joint_gm, copied)):
         return
     (_, shared_plan), _ = _solve_quietly(solve)
-    if (shared_plan.fits, plan.fits) == (True, False) or (
-        shared_plan.fits == plan.fits
-        and shared_plan.estimated_peak_bytes < plan.estimated_peak_bytes * (1 - UNFOLDING_GAIN)
-    ):
+    if _predicted_lower(shared_plan, plan):
         return
     joint_passes.unshare_matmul_copies(joint_gm)
 
@@ -147,17 +144,24 @@ def _unfolded_where_lower(joint_gm, solve):
         return _repeat(said, folded)
     unfolded, said_unfolded = _solve_quietly(solve)
     (_, plan), (_, unfolded_plan) = folded, unfolded
-    if (unfolded_plan.fits, plan.fits) == (True, False) or (
-        unfolded_plan.fits == plan.fits
-        and unfolded_plan.estimated_peak_bytes < plan.estimated_peak_bytes * (1 - UNFOLDING_GAIN)
-    ):
+    if _predicted_lower(unfolded_plan, plan):
         return _repeat(said_unfolded, unfolded)
     joint_passes.refold_matmul_adds(joint_gm)
     return _repeat(said, folded)
 
 
-# Below this predicted gain a sum keeps addmm's rounding (torch.compile's).
+# Below this predicted gain a sum keeps addmm's rounding (torch.compile's),
+# and a graph keeps Inductor's copies.
 UNFOLDING_GAIN = 0.01
+
+
+def _predicted_lower(candidate, plan) -> bool:
+    """Whether ``candidate`` fits where ``plan`` does not, or is predicted
+    at least ``UNFOLDING_GAIN`` lower."""
+    return (candidate.fits, plan.fits) == (True, False) or (
+        candidate.fits == plan.fits
+        and candidate.estimated_peak_bytes < plan.estimated_peak_bytes * (1 - UNFOLDING_GAIN)
+    )
 
 
 def _solve_quietly(solve):
