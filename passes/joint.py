@@ -183,14 +183,14 @@ def _late_fold(matmul, other, add: fx.Node, position: dict, heavy: list[int]) ->
 
 def share_matmul_copies(gm: fx.GraphModule, copied: set[fx.Node]) -> fx.GraphModule:
     """Gives each view of ``copied`` (views a matmul reads that Inductor
-    would copy: ``partitioners.peak.copied_views``) one contiguous
-    ``clone`` its matmuls read instead. Inductor realizes such a view's
-    base and then copies the view once per matmul (``realize_input``,
-    ``copy_input``); a clone is one buffer, computed from the base inside
-    its own kernel, so the base needs no buffer of its own. Mamba2's
-    chunked scan: ``G * L`` and its copy in forward, the recomputed
-    product and two copies of it in backward, each 8 MiB. The clone
-    carries ``_SHARED_COPY`` (``unshare_matmul_copies`` undoes it)."""
+    would copy: ``partitioners.peak.copied_views``) one copy its matmuls
+    read instead. Inductor realizes such a view's base and then copies the
+    view once per matmul (``realize_input``, ``copy_input``); the copy is
+    one buffer, computed from the base inside its own kernel, so the base
+    needs no buffer of its own. Mamba2's chunked scan: ``G * L`` and its
+    copy in forward, the recomputed product and two copies of it in
+    backward, each 8 MiB. The copy carries ``_SHARED_COPY``
+    (``unshare_matmul_copies`` undoes it)."""
     changed = False
     for view in copied:
         readers = [user for user in view.users if _is_matmul(user)]
@@ -198,10 +198,12 @@ def share_matmul_copies(gm: fx.GraphModule, copied: set[fx.Node]) -> fx.GraphMod
         if not readers or not isinstance(value, torch.Tensor):
             continue
         # A copy into strides other than the view's: Inductor's post-grad
-        # pass drops a clone whose strides equal its input's as a no-op.
+        # pass drops a copy whose strides equal its input's as a no-op.
         stride = _last_two_swapped(value)
         if stride is None:
             continue
+        if tuple(stride) == tuple(value.stride()):  # a transposed view
+            stride = _row_major(value.shape)
         with gm.graph.inserting_after(view):
             empty = gm.graph.call_function(
                 torch.ops.aten.empty_strided.default, (list(value.shape), stride),
@@ -240,6 +242,14 @@ def shared_copies(gm: fx.GraphModule) -> list[fx.Node]:
 
 _SHARED_COPY = "ckpt_shared_copy"
 _MATMULS = frozenset({"mm", "bmm"})
+
+
+def _row_major(shape) -> list:
+    stride, step = [], 1
+    for size in reversed(shape):
+        stride.insert(0, step)
+        step *= size
+    return stride
 
 
 def _last_two_swapped(value: torch.Tensor) -> list | None:
