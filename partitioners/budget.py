@@ -297,15 +297,6 @@ def resolved_budget(budget: MemoryBudget | None, device: torch.device | None) ->
     return dataclasses.replace(budget, peak_bytes=max(target // PEAK_AUTO_ROUNDING * PEAK_AUTO_ROUNDING, 0))
 
 
-def graph_device(graph: fx.Graph) -> torch.device | None:
-    """The device of the graph's first tensor value (None: no tensors)."""
-    for node in graph.nodes:
-        value = node.meta.get("val")
-        if isinstance(value, torch.Tensor):
-            return value.device
-    return None
-
-
 def _floor_note(budget: MemoryBudget, floor: _Cut, smaller: _Cut | None) -> str:
     """Why a fraction stopped at ``floor``: each plan the search saw that saves
     less has a higher predicted step peak (``smaller``: the lowest of them)."""

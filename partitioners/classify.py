@@ -85,6 +85,15 @@ class GraphFacts:
         return {self.nodes[node].storage_root for node in saved} - self.free_inputs
 
 
+def graph_device(nodes) -> torch.device | None:
+    """The device of the first tensor value among a graph's ``nodes`` (None: no tensors)."""
+    for node in nodes:
+        value = node.meta.get("val")
+        if isinstance(value, torch.Tensor):
+            return value.device
+    return None
+
+
 def activation_bytes(facts: GraphFacts, saved) -> int:
     """Bytes that saving ``saved`` keeps alive beyond the graph inputs, each storage once."""
     return sum(facts.nodes[root].nbytes for root in facts.saved_storages(saved))

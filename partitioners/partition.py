@@ -19,9 +19,9 @@ from passes import partitioned as partitioned_passes
 from passes import run_passes
 
 import ckpt_compat as compat
-from .classify import GraphFacts, classify
+from .classify import GraphFacts, classify, graph_device
 from .config import Config, ConfigError, warn_once
-from .budget import graph_device, resolved_budget, solve_with_budget
+from .budget import resolved_budget, solve_with_budget
 from . import peak
 from .cost import profile_for
 from .plan import Plan, build_plan
@@ -92,28 +92,27 @@ def _decide(joint_gm, num_fwd_outputs, static_lifetime_input_indices, config: Co
     )
     if config.memory_budget is None:
         return solve()
-    _shared_copies_where_lower(joint_gm, solve, num_fwd_outputs, static_lifetime_input_indices)
-    return _unfolded_where_lower(joint_gm, solve)
+    return _unfolded_where_lower(joint_gm, solve, _shared_copies_where_lower(joint_gm, solve))
 
 
-def _shared_copies_where_lower(joint_gm, solve, num_fwd_outputs, static_lifetime_input_indices) -> None:
-    """Under a budget, leaves the joint graph with one clone per view that
+def _shared_copies_where_lower(joint_gm, solve):
+    """Under a budget, leaves the joint graph with one copy per view that
     matmuls read and Inductor would copy (passes/joint.py
     ``share_matmul_copies``) where the peak model predicts the plan lower
-    with them, by at least ``UNFOLDING_GAIN``; else as it was."""
-    facts = classify(joint_gm, num_fwd_outputs=num_fwd_outputs,
-                     static_lifetime_input_indices=static_lifetime_input_indices)
+    with them (``_predicted_lower``); else as it was. Returns what
+    ``_solve_quietly(solve)`` gave for the graph it leaves."""
+    plain = _solve_quietly(solve)
+    (facts, plan), _ = plain
     kept = {peak.owner(n, facts) for n in (*facts.forward_outputs, *facts.backward_outputs)}
     copied = peak.copied_views(facts, list(facts.nodes), kept)
-    if not copied:
-        return
-    (_, plan), _ = _solve_quietly(solve)
-    if not joint_passes.shared_copies(joint_passes.share_matmul_copies(joint_gm, copied)):
-        return
-    (_, shared_plan), _ = _solve_quietly(solve)
+    if not copied or not joint_passes.shared_copies(joint_passes.share_matmul_copies(joint_gm, copied)):
+        return plain
+    shared = _solve_quietly(solve)
+    (_, shared_plan), _ = shared
     if _predicted_lower(shared_plan, plan):
-        return
+        return shared
     joint_passes.unshare_matmul_copies(joint_gm)
+    return plain
 
 
 def _solve(joint_gm, num_fwd_outputs, static_lifetime_input_indices, config: Config, step=None,
@@ -126,20 +125,21 @@ def _solve(joint_gm, num_fwd_outputs, static_lifetime_input_indices, config: Con
     profile = profile_for(joint_gm.graph, config.device_profile)
     # The backend resolved peak:auto from the example inputs already; a
     # partitioner used on its own resolves it here, from the graph.
-    budget = resolved_budget(config.memory_budget, graph_device(joint_gm.graph))
+    budget = resolved_budget(config.memory_budget, graph_device(joint_gm.graph.nodes))
     if budget is not None and budget.regional:
         regions = label_regions(facts, budget, config.module_prefix)
         return facts, solve_regions(facts, budget, regions, profile, step, optimal_settings)
     return facts, solve_with_budget(facts, budget, profile, step, optimal_settings)
 
 
-def _unfolded_where_lower(joint_gm, solve):
+def _unfolded_where_lower(joint_gm, solve, solved):
     """Under a budget, the plan for the graph with late matmul adds unfolded
     (passes/joint.py) where it fits where the folded one does not, or the
     peak model predicts it lower; otherwise the graph Inductor folds, whose
     sums round as torch.compile's do (T5's tied embedding: no lower, and
-    unfolded its losses were 1.5e-6 off torch.compile's)."""
-    folded, said = _solve_quietly(solve)
+    unfolded its losses were 1.5e-6 off torch.compile's). ``solved``:
+    ``_solve_quietly(solve)`` of the graph as given."""
+    folded, said = solved
     if not joint_passes.unfolded_adds(joint_passes.unfold_late_matmul_adds(joint_gm)):
         return _repeat(said, folded)
     unfolded, said_unfolded = _solve_quietly(solve)

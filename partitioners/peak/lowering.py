@@ -20,11 +20,10 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
 import torch.fx as fx
 
 import ckpt_compat as compat
-from ..classify import GraphFacts
+from ..classify import GraphFacts, graph_device
 from .kinds import _eager_strided, _owner, _runs_extern, value_kind
 from .workspace import channels_last_workspace, workspace_bytes
 
@@ -82,6 +81,7 @@ def _build(facts: GraphFacts, realize_reads: int, max_fused: int, unroll: int) -
     owners = {node: _owner(node, facts, kinds) for node in facts.nodes}
     externs = frozenset(node for node in facts.nodes if _runs_extern(node, facts, kinds[node]))
     workspaces = {node: workspace_bytes(node, facts) for node in externs}
+    device = graph_device(facts.nodes)
     return LoweredGraph(
         kinds=kinds,
         owners=owners,
@@ -92,16 +92,8 @@ def _build(facts: GraphFacts, realize_reads: int, max_fused: int, unroll: int) -
         reinterpretable={},
         realize_reads=realize_reads,
         max_fused=max_fused,
-        one_call_per_run=_on_cpu(facts),
+        one_call_per_run=device is not None and device.type == "cpu",
     )
-
-
-def _on_cpu(facts: GraphFacts) -> bool:
-    for node in facts.nodes:
-        value = node.meta.get("val")
-        if isinstance(value, torch.Tensor):
-            return value.device.type == "cpu"
-    return False
 
 
 def workspace_at(node: fx.Node, channels_last: bool, lowered: LoweredGraph) -> int:
