@@ -197,16 +197,12 @@ def share_matmul_copies(gm: fx.GraphModule, copied: set[fx.Node]) -> fx.GraphMod
         value = view.meta.get("val")
         if not readers or not isinstance(value, torch.Tensor):
             continue
-        # A copy into strides other than the view's: Inductor's post-grad
-        # pass drops a copy whose strides equal its input's as a no-op.
-        stride = _last_two_swapped(value)
+        stride = _copy_strides(value)
         if stride is None:
             continue
-        if tuple(stride) == tuple(value.stride()):  # a transposed view
-            stride = _row_major(value.shape)
         with gm.graph.inserting_after(view):
             empty = gm.graph.call_function(
-                torch.ops.aten.empty_strided.default, (list(value.shape), stride),
+                torch.ops.aten.empty_strided.default, (list(value.shape), list(stride)),
                 {"dtype": value.dtype, "device": value.device},
             )
         with gm.graph.inserting_after(empty):
@@ -244,25 +240,15 @@ _SHARED_COPY = "ckpt_shared_copy"
 _MATMULS = frozenset({"mm", "bmm"})
 
 
-def _row_major(shape) -> list:
-    stride, step = [], 1
-    for size in reversed(shape):
-        stride.insert(0, step)
-        step *= size
-    return stride
-
-
-def _last_two_swapped(value: torch.Tensor) -> list | None:
-    """Column-major strides in the last two dimensions (None below two)."""
+def _copy_strides(value: torch.Tensor) -> tuple | None:
+    """Strides for the shared copy of ``value``: column-major in the last
+    two dimensions, other than a matmul input's usual ones, since
+    Inductor's post-grad pass drops a copy whose strides equal its input's
+    as a no-op. None below two dimensions or for symbolic sizes."""
     if value.dim() < 2 or any(isinstance(size, torch.SymInt) for size in value.shape):
         return None
     *batch, rows, cols = value.shape
-    stride, step = [0] * value.dim(), rows * cols
-    stride[-2:] = [1, rows]
-    for dim in reversed(range(len(batch))):
-        stride[dim] = step
-        step *= batch[dim]
-    return stride
+    return torch.empty(*batch, cols, rows, device="meta").mT.stride()
 
 
 def _is_matmul(node: fx.Node) -> bool:

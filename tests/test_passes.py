@@ -208,18 +208,3 @@ def test_sizes_equal_only_at_their_hints_are_not_the_same_and_add_no_guard():
     assert not compat.same_sizes(torch.Size([s0]), torch.Size([s1]))
     assert not env.guards  # decided without specializing
 
-
-def test_a_transposed_view_gets_a_copy_in_other_strides_than_its_own():
-    # Inductor's post-grad pass drops a copy whose strides are its input's.
-    graph = fx.Graph()
-    x, w = graph.placeholder("x"), graph.placeholder("w")
-    t = graph.call_function(torch.ops.aten.transpose.int, (x, 1, 2))
-    out = graph.call_function(torch.ops.aten.bmm.default, (t, w))
-    graph.output(out)
-    x.meta["val"], w.meta["val"] = torch.randn(2, 4, 3), torch.randn(2, 4, 5)
-    t.meta["val"] = x.meta["val"].transpose(1, 2)
-    gm = fx.GraphModule(torch.nn.Module(), graph)
-    joint.share_matmul_copies(gm, {t})
-    (copy,) = joint.shared_copies(gm)
-    assert t.meta["val"].stride() == (12, 1, 3) and copy.meta["val"].stride() == (12, 4, 1)
-    assert out.args[0] is copy
