@@ -12,6 +12,7 @@ from bench.measure import peak_cpu_bytes
 from ckpt.backend import make_backend
 from partitioners.config import Config, MemoryBudget
 from partitioners.ops import OpCategory
+from partitioners.peak import liveness as peak_liveness
 from partitioners.peak import (
     backward_schedule, buffer_reads, copied_views, estimate_step_peak, fused_across_externs, inductor_estimate,
     kernel_order, lower, materialized, mm_at_its_add,
@@ -133,6 +134,28 @@ def test_step_peak_of_a_two_layer_mlp_by_hand():
     assert peak.backward_bytes == 4 * N
     assert peak.step_bytes == max(peak.forward_bytes, peak.backward_bytes)
     assert result.plan.estimated_peak_bytes == peak.step_bytes
+
+
+def test_a_saved_set_is_walked_once_per_graph_and_setting(monkeypatch):
+    # The budget search's cuts often repeat a saved set; its estimate is kept.
+    def f(x, w1, w2):
+        return (torch.relu(x @ w1) @ w2).sum()
+
+    result, _ = aot_partition(f, leaf(64, 64), leaf(64, 64), leaf(64, 64))
+    facts = result.facts
+    saved = [n for n in facts.nodes if n.name in set(result.plan.saved)]
+    lower(facts).peaks.clear()
+    walks = []
+    real_walk = peak_liveness.walk
+    monkeypatch.setattr(peak_liveness, "walk", lambda *args, **kwargs: walks.append(1) or real_walk(*args, **kwargs))
+    first = estimate_step_peak(facts, saved)
+    assert len(walks) == 2  # forward and backward
+    assert estimate_step_peak(facts, saved[::-1]) is first and len(walks) == 2
+    trace = []
+    assert estimate_step_peak(facts, saved, backward_trace=trace) == first and len(walks) == 4 and trace
+    with torch._inductor.config.patch(realize_reads_threshold=1):  # another lowering: walked again
+        estimate_step_peak(facts, saved)
+    assert len(walks) == 6
 
 
 def test_recomputed_values_are_scheduled_just_before_their_first_reader():

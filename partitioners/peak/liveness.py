@@ -61,6 +61,9 @@ def estimate_step_peak(facts: GraphFacts, saved, backward_trace: list | None = N
     ``saved``; ``backward_trace`` collects the backward walk's steps (``walk``)."""
     lowered = lower(facts)
     saved = set(saved)
+    known = lowered.peaks.get(frozenset(saved)) if backward_trace is None else None
+    if known is not None:
+        return known
     held = facts.saved_storages(saved)
     outputs = _outputs(facts, lowered)
     forward = [n for n in facts.nodes if n in facts.forward]
@@ -75,7 +78,7 @@ def estimate_step_peak(facts: GraphFacts, saved, backward_trace: list | None = N
         owner(n, facts, lowered) for n in set(facts.backward_outputs) - input_gradients
     }
     backward_peak = walk(facts, order, kept=gradients, start=held | tangents, trace=backward_trace, lowered=lowered)
-    return PeakEstimate(
+    estimate = lowered.peaks[frozenset(saved)] = PeakEstimate(
         forward_peak, backward_peak,
         held_bytes=sum(facts.nodes[n].nbytes for n in held),
         output_bytes=sum(facts.nodes[n].nbytes for n in outputs - held),
@@ -87,6 +90,7 @@ def estimate_step_peak(facts: GraphFacts, saved, backward_trace: list | None = N
         input_count=len(positions),
         input_gradients=_gradients_by_position(facts),
     )
+    return estimate
 
 
 def _saved_batch_inputs(facts: GraphFacts, saved: set[fx.Node]) -> set[fx.Node]:

@@ -61,6 +61,10 @@ class LoweredGraph:
     read after that call (codegen/cpp.py ``kernel_group``, flushed at the
     next extern kernel; the scheduler frees at ``flush``). On GPU each
     kernel frees its inputs as it ends."""
+    peaks: dict = dataclasses.field(default_factory=dict, compare=False)
+    """``liveness.estimate_step_peak``'s estimates by saved set (a frozenset):
+    the budget search's cuts often save the same values (about a third of
+    them on Swin, T5 and Mamba2), and a walk is the search's costliest step."""
 
 
 def lower(facts: GraphFacts) -> LoweredGraph:
