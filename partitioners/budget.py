@@ -373,33 +373,67 @@ def repeating_run(facts: GraphFacts, spine: list[fx.Node]) -> tuple[int, int, in
     """``(first, end, period)``: the longest stretch ``spine[first:end]`` in
     which the ops between consecutive spine values repeat every ``period``
     values, at least twice over (a stack of identical blocks); None if none."""
-    signatures = _gap_signatures(facts, spine)
+    return _longest_run(_gaps(facts, spine)[0], 0, len(spine))
+
+
+def repeating_runs(facts: GraphFacts, spine: list[fx.Node]) -> list[tuple[int, int, int]]:
+    """Every stack of identical blocks along the spine, the longest run
+    first (``repeating_run``); then, before and after it, the longest
+    runs whose blocks hold two compute-heavy ops or more, and so on (a
+    vision tower's layers and a language model's). Beside the first, a
+    run of lighter blocks is two equal steps (a convolutional front end, a
+    two-layer projector), not a stack of layers; and a run's first value
+    may differ from the next block's, as the first layer of a stack also
+    computes what all of its layers share (rotary tables)."""
+    signatures, heavy = _gaps(facts, spine)
+    first = _longest_run(signatures, 0, len(spine))
+    if first is None:
+        return []
+    runs, pending = [first], [(0, first[0]), (first[1], len(spine))]
+    while pending:
+        low, high = pending.pop()
+        run = _longest_run(signatures, low, high, lambda start, period: sum(heavy[start:start + period]) >= 2,
+                           lead=1)
+        if run is not None:
+            runs.append(run)
+            pending += [(low, run[0]), (run[1], high)]
+    return runs
+
+
+def _longest_run(signatures: list[int], low: int, high: int, accept=None, lead: int = 0) -> tuple[int, int, int] | None:
+    """``repeating_run`` within ``signatures[low:high]`` (positions absolute),
+    of the runs whose ``(first, period)`` ``accept`` takes (None: any); the
+    first ``lead`` values of a run may differ from the next block's."""
     best = None  # (values covered, -period, first)
-    for period in range(1, len(spine) // 2 + 1):
+    for period in range(1, (high - low) // 2 + 1):
         run = 0
-        for i in range(len(spine) - period):
+        for i in range(low, high - period):
             run = run + 1 if signatures[i] == signatures[i + period] else 0
-            covered = run + period
-            if covered >= 2 * period and (best is None or (covered, -period) > best[:2]):
-                best = (covered, -period, i + period + 1 - covered)
+            first = max(i + 1 - run - lead, low)
+            covered = i + period + 1 - first
+            if (run and covered >= 2 * period and (best is None or (covered, -period) > best[:2])
+                    and (accept is None or accept(first, period))):
+                best = (covered, -period, first)
     if best is None:
         return None
     covered, period, first = best
     return first, first + covered, -period
 
 
-def _gap_signatures(facts: GraphFacts, spine: list[fx.Node]) -> list[int]:
-    """Per spine value, a hash of the forward ops computed since the previous one."""
+def _gaps(facts: GraphFacts, spine: list[fx.Node]) -> tuple[list[int], list[int]]:
+    """Per spine value, a hash of the forward ops computed since the previous
+    one, and how many of them are compute-heavy."""
     on_spine = set(spine)
-    signatures, gap = [], []
+    signatures, heavy, gap = [], [], []
     for node in facts.nodes:
         if node not in facts.forward or node.op == "placeholder":
             continue
-        gap.append(str(node.target))
+        gap.append(node)
         if node in on_spine:
-            signatures.append(hash(tuple(gap)))
+            signatures.append(hash(tuple(str(n.target) for n in gap)))
+            heavy.append(sum(facts.nodes[n].category is OpCategory.COMPUTE for n in gap))
             gap = []
-    return signatures
+    return signatures, heavy
 
 
 def periodic_boundaries(spine: list[fx.Node], run: tuple[int, int, int], phase: int, blocks: int) -> list[fx.Node]:
@@ -585,26 +619,37 @@ class _Search:
     def _all_families(self):
         """Every family plan, most boundaries first, ending with none (lazily:
         each is a min cut)."""
-        run = repeating_run(self.facts, self.spine)
-        if run is None:
+        runs = repeating_runs(self.facts, self.spine)
+        if not runs:
             count = len(self.spine)
             while count > 0:
                 yield self._cut(pick_boundaries(self.facts, self.spine, count), rate=0.0)
                 count //= HALVING
         else:
-            first, end, period = run
             yield self._cut(self.spine, rate=0.0)
-            per_block = [
-                self._cut(periodic_boundaries(self.spine, run, phase, 1), rate=0.0)
-                for phase in range(period)
-            ]
-            # The phases are alternatives of one boundary count, all cut
-            # already: the best first, so that staleness stops after it.
-            ranked = sorted(range(period), key=lambda p: _by_peak(per_block[p]))
-            yield from (per_block[p] for p in ranked)
-            phase = ranked[0]
-            for blocks in range(2, (end - first) // period + 1):
-                yield self._cut(periodic_boundaries(self.spine, run, phase, blocks), rate=0.0)
+
+            def every(blocks: int, phases: tuple[int | None, ...]) -> list[fx.Node]:
+                return [value for run, phase in zip(runs, phases) if phase is not None
+                        for value in periodic_boundaries(self.spine, run, phase, blocks)]
+
+            # A boundary every block: each stack's phase chosen in turn, the
+            # longest first, the others without boundaries (None) until
+            # their turn; for them None is a choice too, as their boundaries
+            # may raise the peak (with one stack: its phases, as ever).
+            per_block: dict[tuple[int | None, ...], _Cut] = {}
+            phases = (0,) + (None,) * (len(runs) - 1)
+            for i, (_, _, period) in enumerate(runs):
+                choices = list(range(period)) if i == 0 else [None, *range(period)]
+                tried = [phases[:i] + (phase,) + phases[i + 1:] for phase in choices]
+                for choice in tried:
+                    if choice not in per_block:
+                        per_block[choice] = self._cut(every(1, choice), rate=0.0)
+                phases = min(tried, key=lambda choice: _by_peak(per_block[choice]))
+            # Alternatives of one boundary count, all cut already: the best
+            # first, so that staleness stops after it.
+            yield from sorted(per_block.values(), key=_by_peak)
+            for blocks in range(2, max((end - first) // period for first, end, period in runs) + 1):
+                yield self._cut(every(blocks, phases), rate=0.0)
         yield self._cut([], rate=0.0)
 
     def _fastest_rate(self, boundaries, fits, cheapest: _Cut, above: float = 0.0) -> _Cut:

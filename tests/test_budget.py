@@ -8,13 +8,16 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import aot_plan
+from conftest import aot_partition, aot_plan
 from functorch.compile import aot_function, default_partition, nop
 
 from bench.measure import count_saved_bytes
 from bench.models import GPT, MLP, ConvNet, GPTConfig, gpt_batch
 from ckpt import ConfigError, MemoryBudget, make_backend
-from partitioners.budget import PEAK_MODEL_MARGIN, periodic_boundaries, pick_boundaries, repeating_run, spine_values
+from partitioners.budget import (
+    PEAK_MODEL_MARGIN, periodic_boundaries, pick_boundaries, repeating_run, repeating_runs, spine_values,
+)
+from partitioners import budget as budget_module
 from partitioners.config import Config
 from partitioners.cost import DEVICE_PROFILES, estimate_runtime_s
 from partitioners.peak import backward_schedule, estimate_step_peak
@@ -221,6 +224,36 @@ def test_repeated_blocks_are_found_and_boundaries_sit_at_one_place_per_block():
     facts3 = _gpt_partition(depth=3).facts
     spine3 = spine_values(facts3)
     assert names(periodic_boundaries(spine3, repeating_run(facts3, spine3), phase=0, blocks=3)) == ["add_3"]
+
+
+def _two_stacks(x, *w):
+    for i in range(4):  # a stack of MLP blocks, as a vision tower's layers
+        x = x + torch.relu(x @ w[2 * i]) @ w[2 * i + 1]
+    positions = torch.arange(64.0).unsqueeze(1)
+    table = torch.cos(positions @ positions.T / 64)  # made once, in the next stack's first layer (rotary tables)
+    for i in range(3):  # then a stack of gated blocks, as a language model's
+        x = x + (torch.tanh(x @ w[8 + 3 * i]) * (x @ w[9 + 3 * i]) @ table) @ w[10 + 3 * i]
+    return x.sum()
+
+
+def test_a_second_stack_of_layers_gets_a_boundary_every_block(monkeypatch):
+    torch.manual_seed(0)
+    args = [torch.randn(256, 64, requires_grad=True)] + [torch.randn(64, 64, requires_grad=True) for _ in range(17)]
+    result, _ = aot_partition(_two_stacks, *args, config=Config(memory_budget=0.0))
+    spine = spine_values(result.facts)
+    runs = repeating_runs(result.facts, spine)
+    # Both stacks, the second one from its first layer, though that layer also makes the table.
+    assert [[n.name for n in spine[first:end]] for first, end, _ in runs] == [
+        ["add_1", "add_2", "add_3"], ["add_4", "add_5", "add_6"]]
+    boundaries = lambda plan: sorted(d.name for d in plan.decisions if "segment boundary" in d.reason)  # noqa: E731
+    assert boundaries(result.plan) == ["add_1", "add_2", "add_3", "add_4", "add_5"]
+    # With the first stack's boundaries alone (as before), the tightest plan
+    # saves the spine values of both stacks and more (relu), and peaks higher.
+    monkeypatch.setattr(budget_module, "repeating_runs", lambda facts, spine: repeating_runs(facts, spine)[:1])
+    torch._dynamo.reset()
+    first_only, _ = aot_partition(_two_stacks, *args, config=Config(memory_budget=0.0))
+    assert boundaries(first_only.plan) == ["add", "add_1", "add_2", "add_3", "add_4", "add_5", "relu"]
+    assert result.plan.estimated_peak_bytes < first_only.plan.estimated_peak_bytes
 
 
 def test_tightest_fraction_keeps_a_boundary_after_every_sublayer():
