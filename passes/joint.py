@@ -120,7 +120,7 @@ def unfold_late_matmul_adds(gm: fx.GraphModule) -> fx.GraphModule:
     The add node itself becomes the sub (``refold_matmul_adds`` undoes it):
     the sum is rounded as eager rounds it, not as addmm does."""
     position = {node: i for i, node in enumerate(gm.graph.nodes)}
-    heavy = [position[n] for n in gm.graph.nodes if _is_heavy(n)]
+    heavy = [position[n] for n in gm.graph.nodes if _is_one_of(n, _HEAVY)]
     changed = False
     for add in list(gm.graph.nodes):
         if add.target is not torch.ops.aten.add.Tensor or add.kwargs.get("alpha", 1) != 1 or len(add.args) != 2:
@@ -162,9 +162,10 @@ def unfolded_adds(gm: fx.GraphModule) -> list[fx.Node]:
 _UNFOLDED = "ckpt_unfolded_add"  # node.meta key: the add's own args
 
 
-def _is_heavy(node: fx.Node) -> bool:
+def _is_one_of(node: fx.Node, names: frozenset) -> bool:
+    """Whether ``node`` calls an op whose overload packet is named in ``names``."""
     packet = getattr(node.target, "overloadpacket", None)
-    return node.op == "call_function" and getattr(packet, "__name__", None) in _HEAVY
+    return node.op == "call_function" and getattr(packet, "__name__", None) in names
 
 
 def _late_fold(matmul, other, add: fx.Node, position: dict, heavy: list[int]) -> bool:
@@ -179,8 +180,6 @@ def _late_fold(matmul, other, add: fx.Node, position: dict, heavy: list[int]) ->
     return any(start < at < end for at in heavy)
 
 
-
-
 def share_matmul_copies(gm: fx.GraphModule, copied: set[fx.Node]) -> fx.GraphModule:
     """Gives each view of ``copied`` (views a matmul reads that Inductor
     would copy: ``partitioners.peak.copied_views``) one copy its matmuls
@@ -193,7 +192,7 @@ def share_matmul_copies(gm: fx.GraphModule, copied: set[fx.Node]) -> fx.GraphMod
     (``unshare_matmul_copies`` undoes it)."""
     changed = False
     for view in copied:
-        readers = [user for user in view.users if _is_matmul(user)]
+        readers = [user for user in view.users if _is_one_of(user, _MATMULS)]
         value = view.meta.get("val")
         if not readers or not isinstance(value, torch.Tensor):
             continue
@@ -249,8 +248,3 @@ def _copy_strides(value: torch.Tensor) -> tuple | None:
         return None
     *batch, rows, cols = value.shape
     return torch.empty(*batch, cols, rows, device="meta").mT.stride()
-
-
-def _is_matmul(node: fx.Node) -> bool:
-    packet = getattr(node.target, "overloadpacket", None)
-    return node.op == "call_function" and getattr(packet, "__name__", None) in _MATMULS

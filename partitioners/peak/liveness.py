@@ -60,8 +60,8 @@ def estimate_step_peak(facts: GraphFacts, saved, backward_trace: list | None = N
     """The predicted forward and backward peaks of one step that saves
     ``saved``; ``backward_trace`` collects the backward walk's steps (``walk``)."""
     lowered = lower(facts)
-    saved = set(saved)
-    known = lowered.peaks.get(frozenset(saved)) if backward_trace is None else None
+    saved = frozenset(saved)
+    known = lowered.peaks.get(saved) if backward_trace is None else None
     if known is not None:
         return known
     held = facts.saved_storages(saved)
@@ -78,7 +78,7 @@ def estimate_step_peak(facts: GraphFacts, saved, backward_trace: list | None = N
         owner(n, facts, lowered) for n in set(facts.backward_outputs) - input_gradients
     }
     backward_peak = walk(facts, order, kept=gradients, start=held | tangents, trace=backward_trace, lowered=lowered)
-    estimate = lowered.peaks[frozenset(saved)] = PeakEstimate(
+    estimate = lowered.peaks[saved] = PeakEstimate(
         forward_peak, backward_peak,
         held_bytes=sum(facts.nodes[n].nbytes for n in held),
         output_bytes=sum(facts.nodes[n].nbytes for n in outputs - held),
