@@ -36,7 +36,8 @@ import torch.multiprocessing as mp
 from bench.measure import peak_cpu_bytes
 from bench.report import machine_info, machine_line
 from bench.step_budget import VOCAB, build, decoder_layers
-from ckpt import make_backend, step_view
+from ckpt import make_backend
+from ckpt.backend import fresh_step_view
 
 DEFAULT_OUT = pathlib.Path("bench/results/distributed_budget")
 LAYOUTS = ("ddp", "fsdp2-per-block")
@@ -86,7 +87,7 @@ def wrapped(model: torch.nn.Module, layout: str, mode: str, settings):
 
 def rank_run(rank: int, layout: str, mode: str, settings) -> dict:
     torch._dynamo.reset()
-    view = step_view.reset()
+    view = fresh_step_view()
     model = build("qwen2", settings.layers, settings.width, settings.seq)
     fn, backend = wrapped(model, layout, mode, settings)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)

@@ -35,7 +35,7 @@ from bench.measure import (
     time_once_s,
 )
 from bench.modes import Mode, Runner, build_runner, parse_mode
-from ckpt import step_view
+from ckpt.backend import fresh_step_view, live_step_view
 
 # compilation_time_metrics keys of dynamo_timed around the partitioner call:
 # PyTorch's own, and a custom partitioner's class name (ckpt's).
@@ -159,7 +159,7 @@ def prepare(case: Case, base: torch.nn.Module, mode: Mode, batch: int, device: s
     ``dynamic_batch``: compile the batch dimension as symbolic, so that other
     batch sizes run without a recompile."""
     torch._dynamo.reset()
-    step_view.reset()
+    fresh_step_view()
     model = copy.deepcopy(base).to(device)
     if mode.checkpoint_blocks:
         case.enable_checkpointing(model)
@@ -227,7 +227,9 @@ def settle(prep: Prepared) -> int:
     return how many steps that took. A step measured while the view still
     re-plans measures plans that do not run on, and what the re-plan's
     compile inside it allocates."""
-    view = step_view.current()
+    view = live_step_view()
+    if view is None:  # no budgeted compile: nothing to settle
+        return 0
     view.finish_step()
     steps = 0
     while view.sequences and not view.settled and steps < MAX_SETTLE_STEPS:

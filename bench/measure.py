@@ -12,7 +12,6 @@ from collections.abc import Callable, Iterable
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from ckpt import step_view
 import ckpt_compat as compat
 
 
@@ -80,7 +79,6 @@ def peak_cpu_bytes(fn: Callable[[], object]) -> int:
     Replays the profiler's ``[memory]`` events (+bytes on allocation, -bytes
     on free) in time order; the running maximum is the peak.
     """
-    step_view.current().finish_step()  # its own profiler of an ended step, if still running
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     return peak_of(memory_events(prof))[0]

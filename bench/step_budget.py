@@ -38,6 +38,8 @@ from bench import families
 from bench.measure import peak_cpu_bytes
 from bench.report import machine_info, machine_line
 from ckpt import make_backend, step_view
+from ckpt.backend import fresh_step_view
+from ckpt.step_report import sequence_id
 
 DEFAULT_OUT = pathlib.Path("bench/results/step_budget")
 FAMILIES = tuple(families.FAMILIES)
@@ -88,7 +90,7 @@ def prepare(model: torch.nn.Module, layout: str, mode: str):
 
 def run_mode(family, layout, mode, settings, batches) -> dict:
     torch._dynamo.reset()
-    view = step_view.reset()
+    view = fresh_step_view()
     model = build(family, settings.layers, settings.width, settings.seq)
     fn = prepare(model, layout, mode)
     budget_patch = {}
@@ -139,7 +141,7 @@ def run_mode(family, layout, mode, settings, batches) -> dict:
 def _of_plans_that_run(view) -> step_view.Measurement | None:
     """The latest measurement of the plans the step runs now (after a
     fallback the view may go back to plans it measured earlier)."""
-    running = {step_view._sequence_id(seq): state.rung for seq, state in view.sequences.items()}
+    running = {sequence_id(seq): state.rung for seq, state in view.sequences.items()}
     return next((m for m in reversed(view.measurements) if running.get(m.sequence_id) == m.rung), None)
 
 

@@ -40,7 +40,8 @@ from bench.corpus import load_corpus
 from bench.measure import peak_cpu_bytes
 from bench.report import machine_info, machine_line
 from bench.step_budget import VOCAB, build, losses_against
-from ckpt import make_backend, step_view
+from ckpt import make_backend
+from ckpt.backend import fresh_step_view
 
 DEFAULT_OUT = pathlib.Path("bench/results/variable_length")
 MODES = ("eager+checkpoint", "compile", "ckpt peak", "ckpt peak, bound declared", "ckpt peak, padded")
@@ -89,7 +90,7 @@ def padded(samples: list[torch.Tensor], length: int | None = None) -> tuple[torc
 
 def run_mode(family: str, mode: str, settings, batches, cap: int | None) -> dict:
     torch._dynamo.reset()
-    view = step_view.reset()
+    view = fresh_step_view()
     model = build(family, settings.layers, settings.width, settings.seq)
     compiles = [0]
     if mode == "eager+checkpoint":

@@ -19,7 +19,11 @@ from partitioners.regions import FramePlace, frame_place, parameter_names, regio
 from partitioners.plan import Plan
 from .reports.report import build_report, write_report
 
-from .step_view import PlannedGraph, current as current_step_view
+from passes.joint import define_ops
+
+from .planned_graph import PlannedGraph
+from .step_meter import stop_running_meter
+from .step_view import StepView
 
 PARTITIONER_OPTION = "custom_partitioner_fn"
 """The Inductor option through which ckpt plugs in; ckpt sets it itself."""
@@ -46,6 +50,14 @@ class CkptBackend:
 
     A graph served from Inductor's cache was partitioned in an earlier
     process and adds no Plan.
+
+    Under a budget the backend owns a ``step_view`` (made at its first
+    budgeted compile); ``close()`` ends it. What ckpt puts into the process
+    while a view lives: a profiler recording memory events, and a wrapper
+    around autograd's engine object, only while a step is being measured
+    (ckpt/step_meter.py); one gloo process group under torch.distributed
+    (partitioners/rank_sync.py); the ``ckpt::accumulate`` op, defined at the
+    first compile.
     """
 
     def __init__(self, config: Config | Mapping | None = None, model: torch.nn.Module | None = None):
@@ -55,6 +67,30 @@ class CkptBackend:
         self._names: dict[int, str] = {}
         self.plans: list[Plan] = []
         self.reports: list[dict] = []
+        self._step_view: StepView | None = None
+
+    @property
+    def step_view(self) -> StepView:
+        """The graphs of the training step this backend compiled, and the
+        plans chosen for it (made at first use). Backends alive together
+        share one view, as their graphs share one step (blocks compiled
+        each with a backend of its own); a closed view is not shared."""
+        if self._step_view is None:
+            global _shared_view
+            view = _shared_view() if _shared_view is not None else None
+            if view is None or view.closed:
+                view = StepView()
+                _shared_view = weakref.ref(view)
+            self._step_view = view
+        return self._step_view
+
+    def close(self) -> None:
+        """Stop measuring and forget the steps seen (idempotent); a later
+        compile starts a new view. Nothing of the view stays in the
+        process; an exit without it is clean too."""
+        if self._step_view is not None:
+            self._step_view.close()
+            self._step_view = None
 
     @property
     def config(self) -> Config:
@@ -68,7 +104,11 @@ class CkptBackend:
         ``mode`` and ``options`` are torch.compile's: torch.compile passes them
         on when they are set, and they are applied as Inductor applies them.
         """
-        current_step_view().stop_measuring()
+        # A compile inside a measured step: what it allocates is not the step's.
+        stop_running_meter()
+        # Defined at the first compile, before a graph from a compile cache
+        # looks it up, not at import (the default backend is made there).
+        define_ops()
         try:
             # PyTorch's own budget settings (region annotations, functorch's
             # activation_memory_budget) are honored, not dropped.
@@ -95,10 +135,12 @@ class CkptBackend:
             )
         else:
             # A budget is the step's: plans are chosen, and re-chosen, by the step view.
+            view = self.step_view
             if config.report_dir is not None:
-                current_step_view().report_dir = config.report_dir
+                view.report_dir = config.report_dir
             planned = PlannedGraph(
-                gm, functools.partial(self._compile_plan, config, patches), config.memory_budget, config.measure_steps
+                gm, functools.partial(self._compile_plan, config, patches), config.memory_budget,
+                config.measure_steps, view, inputs_device(example_inputs),
             )
             compiled = planned.compile_first(example_inputs)
         return compiled if place is None else _checking_place(compiled, gm, config.memory_budget, place, self._names)
@@ -165,6 +207,29 @@ class CkptBackend:
 
     def __repr__(self) -> str:
         return f"CkptBackend({self._config!r})"
+
+
+_shared_view = None
+"""A weak reference to the StepView the live backends share (none is kept
+alive by it: a view lives while a backend or a compiled graph holds it)."""
+
+
+def live_step_view() -> StepView | None:
+    """The view the live backends share, if any."""
+    return _shared_view() if _shared_view is not None else None
+
+
+def fresh_step_view() -> StepView:
+    """Close the view the live backends share and start another, which
+    backends compiling from now on share: their step is learnt from
+    nothing (a benchmark's or a test's fresh start). The caller holds it."""
+    global _shared_view
+    view = live_step_view()
+    if view is not None:
+        view.close()
+    view = StepView()
+    _shared_view = weakref.ref(view)
+    return view
 
 
 def write_graph_report(outcome: Outcome, folder: str) -> dict | None:

@@ -1,25 +1,25 @@
 """The step view: which compiled graphs make up one training step, and
 plans chosen for the step's peak, not each graph's alone.
 
-With a memory budget, the backend hands Dynamo a ``PlannedGraph`` for each
-graph it compiles. Its calls are recorded: a step is the calls between two
-ends of backward (the autograd engine tells when backward ends). After the
-first step, each graph of that step is planned again for its place in it
-(partitioners/step.py): how often it runs, what the step's other graphs hold
-meanwhile. The first steps are also measured (peak bytes allocated from the
-step's first graph call to the end of its backward: CUDA's peak counter, on
-CPU the profiler's memory events), and where the prediction was off the
-model is corrected by the measured ratio and the graphs planned again, at
-most ``MAX_CORRECTIONS`` times. Ranks take the largest of their
-measurements, so they plan alike.
+With a memory budget, the backend hands Dynamo a ``PlannedGraph``
+(ckpt/planned_graph.py) for each graph it compiles, and owns one StepView
+for them all. Calls are recorded (ckpt/step_calls.py): a step is the
+training calls between two ends of backward (the autograd engine tells when
+backward ends), so each micro-batch of gradient accumulation is a step. After
+the first step, each graph of that step is planned again for its place in
+it (partitioners/step.py): how often it runs, what the step's other graphs
+hold meanwhile. The first steps are also measured (ckpt/step_meter.py: the
+peak bytes allocated from the step's first graph call to the end of its
+backward), and where the prediction was off the model is corrected by the
+measured ratio and the graphs planned again, at most ``MAX_CORRECTIONS``
+times. Under torch.distributed every rank takes part in one agreement per
+step while any rank still learns (partitioners/rank_sync.py): the largest
+measurement where every rank measured the same step, else none, so ranks
+plan alike and none waits for a rank that did not measure.
 
-Re-planning is a recompile inside ckpt's compiled callable, before the
-call that needs it runs, in the tracing context of the graph's Dynamo
-compile, as Dynamo itself recompiles a graph for a specialization at run
-time. The same callable keeps one plan per size bucket of a dynamic graph
-(the next power of two of each dynamic size, or a declared
-``mark_dynamic(max=...)`` bound) and picks one by the sizes it is called
-with, so a longer batch gets a plan made for it before it runs. Every
+Once every kind of step seen has settled, a call of a settled graph only
+looks up its size bucket: no recording, no hooks, no measurement. A call of
+a graph or bucket not in a settled step starts recording again. Every
 recompile is counted (``StepView.recompiles``). Only a step whose calls ran
 at the sizes their plans were made for corrects the model (a shorter batch
 in a bucket is measured against the bucket's prediction, which is not its own).
@@ -30,27 +30,23 @@ the measurements (reduced across ranks), no longer of one graph alone.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import os
-import pathlib
-import sys
 import time
 import typing
-import weakref
 
 import torch
-import torch.fx as fx
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-import ckpt_compat as compat
 from partitioners.budget import rung_budget
 from partitioners.config import MemoryBudget, warn_once
 from partitioners.plan import Plan
-from partitioners.rank_sync import largest_on_all_ranks
+from partitioners.rank_sync import MeasurementAgreement
 from partitioners.step import (
     Gathered, GraphCost, StepContext, gathered_per_call, predicted_step_peak, repeated_inputs, step_context,
 )
+
+import ckpt_compat as compat
+from .step_calls import Calls, first_requiring_grad, shard_group_size
+from .step_meter import StepMeter
+from .step_report import OWN, describe, rung_name, sequence_id, tried_text, write_step_report
 
 # A step measured over its cap is corrected and planned again at most this
 # many times (each costs a recompile of the step's graphs and a profiled step).
@@ -62,8 +58,6 @@ CAP_TOLERANCE = 0.03
 # costs a recompile of the step's graphs and two steps, one to compile, one
 # to measure); then the step runs the plans that measured lowest.
 MAX_FALLBACKS = 3
-# The rung label of the budget's own plans.
-OWN = "own"
 # A step of a dynamic graph below the size its plan was made for is measured
 # but cannot correct the model; after this many such steps measuring stops.
 MAX_STEPS_BELOW_PLAN = 8
@@ -113,80 +107,22 @@ class _Sequence:
     """Rung -> the measured step peak of its plans (the latest, for OWN)."""
 
 
-class _InputIdentities:
-    """Names the tensors handed to a step's calls, to tell one handed to
-    several calls from a fresh one each time: the same live storage, offset
-    and shape get the same name; memory freed and allocated again (a block's
-    input it did not save) gets a new one. Parameters are not named (never
-    a batch input)."""
-
-    def __init__(self):
-        self._storages: dict[int, tuple[object, int]] = {}  # address -> (weak reference, generation)
-
-    def of(self, value) -> tuple | None:
-        if not isinstance(value, torch.Tensor) or isinstance(value, torch.nn.Parameter):
-            return None
-        try:
-            storage = value.untyped_storage()
-            address = storage.data_ptr()
-        except (RuntimeError, NotImplementedError):  # a tensor without storage
-            return None
-        known = self._storages.get(address)
-        if known is None or known[0].expired():
-            known = (StorageWeakRef(storage), 0 if known is None else known[1] + 1)
-            self._storages[address] = known
-        return (address, known[1], value.storage_offset(), tuple(value.shape))
-
-
-@dataclasses.dataclass
-class _Calls:
-    """The training calls of the running step, in order."""
-
-    keys: list[str] = dataclasses.field(default_factory=list)
-    inputs: list[tuple] = dataclasses.field(default_factory=list)
-    """Per call, its inputs' storage identities."""
-    ran: set[tuple[str, tuple]] = dataclasses.field(default_factory=set)
-    """The graphs called, each with what its plan was made for."""
-    below_plan: bool = False
-    """A call ran below the sizes its plan was made for."""
-    identities: _InputIdentities = dataclasses.field(default_factory=_InputIdentities)
-    parameters: list[tuple] = dataclasses.field(default_factory=list)
-    """Per call, its parameters: (weak reference, bytes)."""
-
-    def record(self, key: str, args, planned_for: tuple, at_planned_sizes: bool) -> None:
-        self.keys.append(key)
-        self.inputs.append(tuple(map(self.identities.of, args)))
-        self.parameters.append(tuple(
-            (weakref.ref(arg), arg.numel() * arg.element_size()) for arg in args if _has_storage(arg, parameter=True)
-        ))
-        self.ran.add((key, planned_for))
-        self.below_plan |= not at_planned_sizes
-
-
-    def freed_parameters(self) -> tuple[int, ...]:
-        """Per call, the bytes of its parameters whose memory is freed now,
-        the step ended: parameters a sharding (FSDP) gathered for the step."""
-        return tuple(
-            sum(nbytes for ref, nbytes in parameters if (p := ref()) is not None and p.untyped_storage().nbytes() == 0)
-            for parameters in self.parameters
-        )
-
-
 class _EndedStep(typing.NamedTuple):
-    """A step whose backward ended, to be measured at the next call."""
+    """A step whose backward ended, measured when its backward returns
+    (or at the next call, where no meter ran)."""
 
-    calls: _Calls
-    meter: object
+    calls: Calls
+    meter: StepMeter | None
     wanted: bool
     end_ns: int
 
 
 class StepView:
     """The graph calls of the running step, what each graph's plan costs, and
-    what each was planned for. One per process: the step is the process's."""
+    what each was planned for. One per backend (``CkptBackend.step_view``)."""
 
     def __init__(self):
-        self.calls = _Calls()
+        self.calls = Calls()
         """The running step's calls."""
         self.costs: dict[str, GraphCost] = {}
         self.plans: dict[str, Plan] = {}
@@ -207,10 +143,19 @@ class StepView:
         self.meter_every_step = False
         """Measure every step (a benchmark's per-step peaks), not only the
         ones planning needs; the extra measurements only inform."""
-        self._meter = None
-        self._judge_meter = False
+        self.closed = False
+        self.settled_keys: frozenset[str] = frozenset()
+        """Graphs whose calls need no recording: every step seen has settled."""
+        self._agreement = MeasurementAgreement()
+        self._meter: StepMeter | None = None
+        self._wanted = False
         self._ending = False
-        self._ended = None
+        self._ended: _EndedStep | None = None
+
+    def __reduce__(self):
+        # Reached through the backend when Inductor hashes a partitioner for
+        # its cache key: what the view learnt is not part of a graph's key.
+        return (StepView, ())
 
     # -- what a graph is planned for ------------------------------------------
 
@@ -227,8 +172,8 @@ class StepView:
         fallback = None
         if state.rung != OWN:
             fallback = (
-                f"runs the plans of {_rung_name(state.rung)}, not its own ({budget}): "
-                f"measured step peaks {_tried_text(state.tried)}"
+                f"runs the plans of {rung_name(state.rung)}, not its own ({budget}): "
+                f"measured step peaks {tried_text(state.tried)}"
             )
         context = step_context(
             key, sequence, self.costs, state.correction, state.measured, fallback, state.repeated, state.gathered
@@ -264,15 +209,19 @@ class StepView:
             known[rung] = (self.costs[key], tuple(sorted(plan.saved)))
         self.measuring[key] = measure
         self.fresh.add(key)
+        self.settled_keys = frozenset()
 
     # -- the running step -----------------------------------------------------
 
-    def before_call(self, key: str) -> None:
-        if self.calls.keys or self._ending or compat.profiler_active():
+    def before_call(self, key: str, device: torch.device) -> None:
+        """A training call of ``key`` on ``device`` begins: the first of a
+        step starts the step's meter if the step is to be measured."""
+        if self.calls.keys or self._ending or not torch.is_grad_enabled():
             return
-        self._judge_meter = self._wants_measurement(key)
-        if self._judge_meter or self.meter_every_step:
-            self._meter = _start_meter()
+        self._wanted = self._wants_measurement(key)
+        if self._meter is None and (self._wanted or self.meter_every_step):
+            # None where a profiler (the user's) is on: the step goes unmeasured.
+            self._meter = StepMeter.start(device, self._backward_returned)
 
     def after_call(self, key: str, outputs, planned_for: tuple, at_planned_sizes: bool = True, args=()) -> None:
         """Record a training call (one whose outputs need gradients) of a plan
@@ -280,11 +229,11 @@ class StepView:
         A call below the sizes its plan was made for (a shorter batch in a
         size bucket) keeps its step from correcting the model: the
         prediction is the bucket's, the measurement is not."""
-        tensor = _first_requiring_grad(outputs)
+        tensor = first_requiring_grad(outputs)
         if tensor is None:
             return
         if len(self.calls.keys) >= MAX_CALLS:
-            self._drop_step()
+            self.drop_step()
         self.calls.record(key, args, planned_for, at_planned_sizes)
         tensor.register_hook(self._on_gradient)
 
@@ -295,15 +244,24 @@ class StepView:
         return None
 
     def end_step(self) -> None:
-        """Backward ended: the step's calls are one sequence. Its measurement
-        is read at the next call (``finish_step``): the autograd engine
-        restores the profiler's thread state after its callbacks, so the
-        profiler cannot be stopped here; events after now are not counted."""
+        """Backward ended: the step's calls are one sequence. Its meter stops
+        when the backward returns to its caller (``_backward_returned``):
+        the autograd engine restores the profiler's thread state after its
+        callbacks, so it cannot be stopped here; events after now are not
+        counted."""
         self._ending = False
-        calls, self.calls = self.calls, _Calls()
+        calls, self.calls = self.calls, Calls()
         if calls.keys:
-            self._ended = _EndedStep(calls, self._meter, self._judge_meter, time.time_ns())
+            self._ended = _EndedStep(calls, self._meter, self._wanted, time.time_ns())
             self._meter = None
+
+    def _backward_returned(self, finished: bool) -> None:
+        """The step meter's thread returned from a backward: finish the step
+        that ended in it; a backward that raised ends the running step."""
+        if self._ended is not None:
+            self.finish_step()
+        elif not finished:
+            self.drop_step()
 
     def finish_step(self) -> None:
         """Measure the step that ended, if any, and mark what must be planned again."""
@@ -316,27 +274,32 @@ class StepView:
             self._warn_unmatched_regions(sequence)
         state = self.sequences.setdefault(sequence, _Sequence())
         state.repeated = self._repeated_inputs(sequence, calls.inputs)
-        state.gathered = gathered_per_call(calls.freed_parameters(), 1 / _shard_group_size())
+        state.gathered = gathered_per_call(calls.freed_parameters(), 1 / shard_group_size())
         for key in set(sequence):
             self.last_sequence[key] = sequence
         # Whether the plans that ran were made for this step, before the
         # measurement below changes what they should be made for.
         planned_for_it = all(planned_for == self.planning_for(key) for key, planned_for in calls.ran)
-        measured = _stop_meter(meter, end_ns)
+        measured = None if meter is None else meter.peak(until_ns=end_ns)
         judge = wanted and not below_plan and not self.fresh & set(sequence)
         self.fresh -= set(sequence)
         if wanted and below_plan:
             state.below_plan_steps += 1
             state.settled |= state.below_plan_steps >= MAX_STEPS_BELOW_PLAN
-        if measured is not None:
-            measured = largest_on_all_ranks(f"step/{_sequence_id(sequence)}/{self.steps}", measured)
-            if judge:
-                self._judge(sequence, state, measured, planned_for_it)
-            else:
-                predicted = predicted_step_peak(sequence, self.costs, state.repeated, state.gathered)
-                self.measurements.append(
-                    Measurement(self.steps, _sequence_id(sequence), predicted, measured, False, state.rung)
-                )
+        # Every rank takes part, with or without a measurement of its own;
+        # a step not measured alike on every rank corrects nothing.
+        agreed = self._agreement.agree(sequence_id(sequence), measured if judge else None, more=not self.settled)
+        if agreed is not None:
+            self._judge(sequence, state, agreed, planned_for_it)
+        elif measured is not None:
+            predicted = predicted_step_peak(sequence, self.costs, state.repeated, state.gathered)
+            self.measurements.append(
+                Measurement(self.steps, sequence_id(sequence), predicted, measured, False, state.rung)
+            )
+        if self._agreement.closed:
+            state.settled = True  # ranks measure no more: plans stay the model's, alike on every rank
+        if self.settled and not self._agreement.active and not self.meter_every_step:
+            self.settled_keys = frozenset(key for sequence in self.sequences for key in sequence)
         self._write_report()
 
     def _repeated_inputs(self, sequence: tuple[str, ...], inputs: list[tuple]) -> tuple[frozenset[int], ...]:
@@ -367,7 +330,7 @@ class StepView:
         looser budget's plans where they may peak lower (``_next_rung``);
         settle on the plans that measured lowest otherwise."""
         predicted = predicted_step_peak(sequence, self.costs, state.repeated, state.gathered)  # the model's own, uncorrected
-        self.measurements.append(Measurement(self.steps, _sequence_id(sequence), predicted, measured, rung=state.rung))
+        self.measurements.append(Measurement(self.steps, sequence_id(sequence), predicted, measured, rung=state.rung))
         if planned_for_it:
             state.tried[state.rung] = measured
         cap = self._cap(sequence)
@@ -437,21 +400,24 @@ class StepView:
         """A graph compiles during the running step: stop its measurement
         (what compiling allocates is not the plan's, and the profiler is
         not left running through Dynamo and Inductor)."""
-        _stop_meter(self._meter, time.time_ns())
-        self._meter, self._judge_meter = None, False
+        if self._meter is not None:
+            self._meter.stop()
+        self._meter, self._wanted = None, False
 
     def close(self) -> None:
-        """Stop measuring: a profiler left running would stay on for the
-        rest of the process."""
+        """Stop measuring and forget the running step (idempotent); a closed
+        view is not given to new backends."""
+        self.closed = True
         if self._ended is not None:
-            _stop_meter(self._ended.meter, time.time_ns())
+            if self._ended.meter is not None:
+                self._ended.meter.stop()
             self._ended = None
-        self._drop_step()
+        self.drop_step()
 
-    def _drop_step(self) -> None:
-        self.calls = _Calls()
-        _stop_meter(self._meter, time.time_ns())
-        self._meter = None
+    def drop_step(self) -> None:
+        """Forget the running step (it raised, or never ended): its meter stops."""
+        self.calls, self._ending = Calls(), False
+        self.stop_measuring()
 
     # -- what a reader sees ---------------------------------------------------
 
@@ -464,166 +430,11 @@ class StepView:
     def describe(self) -> str:
         """The step view as markdown: graphs, calls, predicted and measured peaks."""
         self.finish_step()
-        lines = [
-            "# ckpt step view",
-            "",
-            f"steps seen: {self.steps}; recompiles for step plans: {self.recompiles}",
-            "",
-            "| step | sequence | plans for | predicted MiB | measured MiB | measured / predicted | used to plan |",
-            "|---|---|---|---|---|---|---|",
-        ]
-        for m in self.measurements:
-            lines.append(
-                f"| {m.step} | {m.sequence_id} | {_rung_name(m.rung)} | {m.predicted_bytes / 2**20:.2f} | "
-                f"{m.measured_bytes / 2**20:.2f} | {m.ratio:.3f} | {'yes' if m.judged else 'no'} |"
-            )
-        for sequence, state in self.sequences.items():
-            if any(g.forward for g in state.gathered):
-                largest = max(g.backward for g in state.gathered)
-                lines += [
-                    "",
-                    f"{_sequence_id(sequence)}: parameters a sharding gathers in the step (freed by its end), "
-                    f"in the predictions: {sum(1 for g in state.gathered if g.forward)} of {len(sequence)} calls, "
-                    f"up to {largest / 2**20:.2f} MiB around a call's backward",
-                ]
-            if len(state.tried) > 1 or state.rung != OWN:
-                lines += [
-                    "",
-                    f"{_sequence_id(sequence)}: measured step peaks {_tried_text(state.tried)}; "
-                    f"{'runs' if state.settled else 'trying'} the plans of {_rung_name(state.rung)}",
-                ]
-        lines += ["", "| graph | plan made for | saved bytes | predicted step peak MiB |", "|---|---|---|---|"]
-        for key, plan in self.plans.items():
-            lines.append(
-                f"| {key} | {plan.step or 'the graph alone'} | {plan.saved_activation_bytes} | "
-                f"{plan.estimated_peak_bytes / 2**20:.2f} |"
-            )
-        return "\n".join(lines) + "\n"
+        return describe(self)
 
     def _write_report(self) -> None:
-        if self.report_dir is None:
-            return
-        folder = pathlib.Path(self.report_dir)
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / "step.md").write_text(self.describe())
-
-
-_view = StepView()
-
-
-def _before_optimizer_step(optimizer, args, kwargs):
-    # The step's backward is done: read its measurement now, before the
-    # optimizer allocates (its state, on the first step) or a profiler of
-    # the user's starts.
-    _view.finish_step()
-
-
-register_optimizer_step_pre_hook(_before_optimizer_step)
-
-
-def current() -> StepView:
-    """The process's step view."""
-    return _view
-
-
-def reset() -> StepView:
-    """Forget every step seen (as ``torch._dynamo.reset()`` forgets graphs)."""
-    global _view
-    _view.close()
-    _view = StepView()
-    return _view
-
-
-class PlannedGraph:
-    """What the backend hands Dynamo for one graph under a budget: Inductor's
-    compiled callable for the plan the step view asks for, one per size
-    bucket, recompiled when the view learns more of the step."""
-
-    def __init__(self, gm: fx.GraphModule, compile_plan, budget: MemoryBudget | None, measure: bool):
-        """``compile_plan(gm, example_inputs, step, sizes, budget=, replaces=plan)``
-        compiles the graph for ``budget`` and returns (callable, Plan or None)."""
-        # Compiled again as it is, as Dynamo compiles a graph again for a
-        # specialization (a copy made with fx.GraphModule does not pickle
-        # into Inductor's cache keys).
-        self._graph = gm
-        self._compile_plan = compile_plan
-        self._tracing_context = compat.current_tracing_context()
-        self._budget = budget
-        self._measure = measure
-        self._symbols = compat.size_symbols(gm)
-        self.key = graph_key(gm, budget)
-        self._compiled: dict[tuple, object] = {}
-        self._plans: dict[tuple, Plan | None] = {}
-        self._planned_for: dict[tuple, tuple] = {}
-        """Per size bucket, what its plan was made for (StepView.planning_for)."""
-
-    def compile_first(self, example_inputs):
-        """Compile for the sizes of Dynamo's example (inside its compile)."""
-        self._first_bucket = self._bucket_of_hints()
-        self._compile(self._first_bucket, example_inputs)
-        return self
-
-    def __call__(self, *args):
-        # Dynamo calls a compiled graph with the arguments unpacked.
-        if compat.has_fake_tensors(args):
-            # A compile-time call on fake tensors (DDP's graph optimizer runs
-            # each compiled bucket to get the next one's inputs): not a step.
-            return self._compiled[self._first_bucket](*args)
-        sizes = self._sizes_of(args)
-        bucket = tuple((name, _planned_size(symbol, size)) for (name, size), symbol in zip(sizes, self._symbols))
-        key = self._plan_key(bucket)
-        view = current()
-        view.finish_step()
-        if bucket not in self._compiled or self._planned_for[bucket] != view.planning_for(key):
-            view.recompiles += 1
-            view.stop_measuring()
-            compat.recompile_in(
-                self._tracing_context,
-                lambda: self._compile(bucket, compat.example_inputs_of(self._graph)),
-            )
-        view.before_call(key)
-        outputs = self._compiled[bucket](*args)
-        view.after_call(key, outputs, self._planned_for[bucket], at_planned_sizes=sizes == bucket, args=args)
-        return outputs
-
-    def _compile(self, bucket: tuple, example_inputs) -> None:
-        key = self._plan_key(bucket)
-        view = current()
-        context, planned_for = view.context_for(key, self._budget)
-        sizes = dict(bucket) if bucket else None
-        compiled, plan = self._compile_plan(
-            self._graph, example_inputs, context, sizes,
-            budget=view.budget_for(key, self._budget), replaces=self._plans.get(bucket),
-        )
-        self._plans[bucket] = plan
-        view.record_plan(key, plan, self._measure, rung=planned_for[2])
-        self._compiled[bucket], self._planned_for[bucket] = compiled, planned_for
-
-    def _plan_key(self, bucket: tuple) -> str:
-        if not bucket:
-            return self.key
-        return self.key + "@" + ",".join(f"{name}={size}" for name, size in bucket)
-
-    def _bucket_of_hints(self) -> tuple:
-        return tuple((s.name, _planned_size(s, s.hint)) for s in self._symbols)
-
-    def _sizes_of(self, args) -> tuple:
-        """The dynamic sizes of this call, by symbol name."""
-        sizes = []
-        for symbol in self._symbols:
-            value = args[symbol.placeholder]
-            sizes.append((symbol.name, int(value) if symbol.dim is None else int(value.shape[symbol.dim])))
-        return tuple(sizes)
-
-
-def _rung_name(rung: str) -> str:
-    if rung == OWN:
-        return "its own budget"
-    return "the runtime-optimal plan" if rung_budget(rung) is None else f"budget {rung}"
-
-
-def _tried_text(tried: dict[str, int]) -> str:
-    return ", ".join(f"{_rung_name(rung)} {nbytes / 2**20:.2f} MiB" for rung, nbytes in tried.items())
+        if self.report_dir is not None:
+            write_step_report(self, self.report_dir)
 
 
 def _lowest_measured(tried: dict[str, int]) -> str:
@@ -631,100 +442,3 @@ def _lowest_measured(tried: dict[str, int]) -> str:
     budget's own first)."""
     order = lambda rung: -1.0 if rung == OWN else float(rung)  # noqa: E731
     return min(tried, key=lambda rung: (tried[rung], order(rung)))
-
-
-def _planned_size(symbol: compat.SizeSymbol, size: int) -> int:
-    """The size a plan for ``size`` is made at: the declared bound, or the
-    next power of two (one plan per bucket)."""
-    if symbol.upper is not None:
-        return symbol.upper
-    return 1 << max(size - 1, 0).bit_length()
-
-
-def graph_key(gm: fx.GraphModule, budget: MemoryBudget | None) -> str:
-    """A name for a Dynamo graph that is the same for the same code at the
-    same input shapes, in every process and on every rank."""
-    text = [gm.code, repr(budget)]
-    for node in gm.graph.nodes:
-        if node.op == "placeholder":
-            value = node.meta.get("example_value", node.meta.get("val"))
-            if isinstance(value, torch.Tensor):
-                text.append(f"{tuple(value.shape)}:{value.dtype}:{value.requires_grad}")
-            else:
-                text.append(type(value).__name__)
-    return "g" + hashlib.sha256("\n".join(text).encode()).hexdigest()[:10]
-
-
-def _has_storage(value, parameter: bool = False) -> bool:
-    """``value`` is a tensor with a storage of its own (not a tensor
-    subclass such as DTensor, nor a fake or meta tensor); with
-    ``parameter``, an ``nn.Parameter``."""
-    if not isinstance(value, torch.nn.Parameter if parameter else torch.Tensor):
-        return False
-    try:
-        return value.device.type != "meta" and value.untyped_storage() is not None
-    except (RuntimeError, NotImplementedError, TypeError):
-        return False
-
-
-def _shard_group_size() -> int:
-    """The ranks a gathered parameter is sharded over: the world (FSDP2 over
-    one mesh dimension; a hybrid sharding's smaller group keeps more)."""
-    import torch.distributed as dist
-
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def _sequence_id(sequence: tuple[str, ...]) -> str:
-    return "s" + hashlib.sha256(" ".join(sequence).encode()).hexdigest()[:8] + f"x{len(sequence)}"
-
-
-def _first_requiring_grad(outputs):
-    stack = [outputs]
-    while stack:
-        value = stack.pop()
-        if isinstance(value, torch.Tensor):
-            if value.requires_grad:
-                return value
-        elif isinstance(value, (list, tuple)):
-            stack.extend(reversed(value))
-    return None
-
-
-def _start_meter():
-    """Start measuring the step's peak: CUDA's counter, or on CPU the
-    profiler's memory events (and no operator events: the meter is stopped
-    in a later graph call than the one it starts in, see
-    ``compat.start_recording_memory``)."""
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.reset_peak_memory_stats()
-        return ("cuda", torch.cuda.memory_allocated())
-    _quietly(compat.start_recording_memory)
-    return ("cpu", None)
-
-
-def _stop_meter(meter, end_ns: int) -> int | None:
-    """The peak bytes above what was alive when ``meter`` started, up to
-    ``end_ns`` (the profiler's clock is Unix time)."""
-    if meter is None:
-        return None
-    kind, state = meter
-    if kind == "cuda":
-        torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated() - state
-    recorded = _quietly(compat.stop_recording_memory)
-    return None if recorded is None else compat.memory_peak(recorded, until_ns=end_ns)
-
-
-def _quietly(action):
-    """Run ``action`` with the process's stderr closed: the profiler's native
-    code prints a line at each start and stop."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    try:
-        with open(os.devnull, "w") as devnull:
-            os.dup2(devnull.fileno(), 2)
-            return action()
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)

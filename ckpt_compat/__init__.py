@@ -342,28 +342,32 @@ def profiler_active() -> bool:
     return bool(torch.autograd.profiler._is_profiler_enabled) or torch._C._autograd._profiler_enabled()
 
 
-def memory_events(prof, device_type: str = "cpu") -> list[tuple[int, int, int]]:
+def memory_events(prof, device_type: str = "cpu", index: int | None = None) -> list[tuple[int, int, int]]:
     """``(time_ns, address, bytes)`` of a finished profile's ``[memory]``
-    events on one device type, in time order (ties keep the profiler's
-    order; bytes are negative for frees). ``prof`` is a ``torch.profiler``
-    profile or what ``stop_recording_memory`` returned. Reads the
-    profiler's private event tree, which gives each event its address."""
+    events on one device type (and device ``index``, if given), in time
+    order (ties keep the profiler's order; bytes are negative for frees).
+    ``prof`` is a ``torch.profiler`` profile or what ``stop_recording_memory``
+    returned. Reads the profiler's private event tree, which gives each
+    event its address."""
     results = prof.profiler.kineto_results if hasattr(prof, "profiler") else prof
     events, stack = [], list(reversed(results.experimental_event_tree()))
     while stack:  # depth first, in the tree's order
         node = stack.pop()
         stack.extend(reversed(node.children))
         fields = node.extra_fields
-        if node.name == "[memory]" and fields.device.type == device_type:
+        if (node.name == "[memory]" and fields.device.type == device_type
+                and (index is None or fields.device.index == index)):
             events.append((node.start_time_ns, fields.ptr, fields.alloc_size))
     return sorted(events, key=lambda e: e[0])
 
 
-def memory_peak(prof, until_ns: int | None = None) -> int:
-    """The running maximum of a finished CPU profile's live bytes (above
-    what was alive when it started), over its events up to ``until_ns``."""
+def memory_peak(prof, until_ns: int | None = None, device: torch.device | None = None) -> int:
+    """The running maximum of a finished profile's live bytes on ``device``
+    (default: the CPU), above what was alive when it started, over its
+    events up to ``until_ns``."""
     live = peak = 0
-    for time_ns, _, nbytes in memory_events(prof):
+    kind, index = ("cpu", None) if device is None else (device.type, device.index)
+    for time_ns, _, nbytes in memory_events(prof, kind, index):
         if until_ns is not None and time_ns > until_ns:
             break
         live += nbytes

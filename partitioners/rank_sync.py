@@ -76,11 +76,23 @@ def check_same_plan_on_all_ranks(graph: fx.Graph, plan: Plan) -> str | None:
             stacklevel=2,
         )
         return _fingerprint(decisions)
-    for other in others:
-        theirs = json.loads(store.get(f"{prefix}/{other}"))
+    plans = {other: json.loads(store.get(f"{prefix}/{other}")) for other in others}
+    _delete_when_all_read(store, prefix, world)
+    for other, theirs in plans.items():
         if theirs != decisions:
             raise PlanMismatchError(_describe_mismatch(digest, rank, other, decisions, theirs))
     return _fingerprint(decisions)
+
+
+def _delete_when_all_read(store, prefix: str, world: int) -> None:
+    """The last rank to read the plans of ``prefix`` deletes them: a long job
+    compiles many graphs, and the store is the job's."""
+    if store.add(f"{prefix}/read", 1) == world:
+        for key in [f"{prefix}/{r}" for r in range(world)] + [f"{prefix}/read"]:
+            try:
+                store.delete_key(key)
+            except Exception:  # a store without deletion keeps its keys
+                return
 
 
 def _is_collective(node: fx.Node) -> bool:
@@ -111,32 +123,65 @@ def _describe_mismatch(graph: str, rank: int, other: int, mine: list, theirs: li
     )
 
 
-# Measured step peaks are compared by the step's name and number; counted
-# per name, like _compiles, so a repeated name gets fresh keys.
-_measurements: collections.Counter[str] = collections.Counter()
+class MeasurementAgreement:
+    """Measured step peaks agreed across ranks, so every rank plans from the
+    same numbers: one ``all_gather_object`` per step on a gloo group of
+    ckpt's own (never the default group, where it would interleave with
+    DDP's or FSDP's collectives), while any rank still learns its steps.
+
+    Every rank takes part in every agreement, with its measurement or with
+    None (it did not measure: a profiler of the user's was on, the step ran
+    below its planned sizes, a graph had just compiled). The agreed value is
+    the largest measurement when every rank measured the same step (by
+    name), else None on every rank: a step not measured alike corrects
+    nothing, and no rank waits for a measurement that will not come. The
+    agreements go on while any rank says it has ``more`` to learn; after
+    that none is held, and a step learnt later is planned by the model.
+    """
+
+    def __init__(self):
+        self._open = True
+        self._group = None
+        self._world_group = None
+
+    @property
+    def active(self) -> bool:
+        """Ranks still agree at each step (never without a process group)."""
+        return self._open and _world_size() > 1
+
+    @property
+    def closed(self) -> bool:
+        """Ranks agree no more: a step learnt now is not measured."""
+        return not self._open and _world_size() > 1
+
+    def agree(self, name: str, value: int | None, more: bool) -> int | None:
+        if _world_size() <= 1:
+            return value
+        if not self._open:
+            return None
+        import torch.distributed as dist
+
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, (name, value, bool(more)), group=self._gloo_group())
+        self._open = any(wants for _, _, wants in gathered)
+        if any(other != name or measured is None for other, measured, _ in gathered):
+            return None
+        return max(measured for _, measured, _ in gathered)
+
+    def _gloo_group(self):
+        """ckpt's own group of every rank, made on first use (every rank
+        reaches its first agreement at its first step) and again if the
+        user made a new default group."""
+        import torch.distributed as dist
+
+        world = dist.group.WORLD
+        if self._group is None or self._world_group is not world:
+            self._group = dist.new_group(backend="gloo", timeout=WAIT_FOR_OTHERS)
+            self._world_group = world
+        return self._group
 
 
-def largest_on_all_ranks(name: str, value: int) -> int:
-    """The largest ``value`` any rank of the process group reports under
-    ``name`` (``value`` itself without a process group): a measurement every
-    rank then decides from alike. Waits at most WAIT_FOR_OTHERS."""
-    store = compat.default_store()
-    if store is None:
-        return value
+def _world_size() -> int:
     import torch.distributed as dist
 
-    _measurements[name] += 1
-    prefix = f"ckpt/measured/{name}/{_measurements[name]}"
-    rank, world = dist.get_rank(), dist.get_world_size()
-    store.set(f"{prefix}/{rank}", str(int(value)))
-    keys = [f"{prefix}/{r}" for r in range(world)]
-    try:
-        store.wait(keys, WAIT_FOR_OTHERS)
-    except Exception:  # the store raises its own timeout types
-        warnings.warn(
-            f"ckpt: not every rank reported its measured step {name} within {WAIT_FOR_OTHERS}; "
-            "this rank plans from its own measurement",
-            stacklevel=2,
-        )
-        return value
-    return max(int(store.get(key)) for key in keys)
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1

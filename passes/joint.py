@@ -28,20 +28,29 @@ def eliminate_common_subexpressions(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
-@torch.library.custom_op("ckpt::accumulate", mutates_args=())
-def accumulate(total: torch.Tensor, term: torch.Tensor) -> torch.Tensor:
-    """``total + term`` as a kernel of its own, which Inductor runs where it
-    stands and fuses with nothing (an op it has no lowering for)."""
-    return torch.add(total, term)
+def define_ops() -> None:
+    """Define ckpt's own op (``ckpt::accumulate``) once per process: when the
+    first backend is made, not at import, and before a graph loaded from a
+    compile cache looks it up."""
+    if _ACCUMULATE_OP:
+        return
+
+    @torch.library.custom_op(_ACCUMULATE, mutates_args=())
+    def accumulate(total: torch.Tensor, term: torch.Tensor) -> torch.Tensor:
+        """``total + term`` as a kernel of its own, which Inductor runs where it
+        stands and fuses with nothing (an op it has no lowering for)."""
+        return torch.add(total, term)
+
+    @accumulate.register_fake
+    def _accumulate_shape(total: torch.Tensor, term: torch.Tensor) -> torch.Tensor:
+        return torch.add(total, term)
+
+    # A backward graph differentiated again (compiled autograd, create_graph).
+    accumulate.register_autograd(lambda ctx, grad: (grad, grad))
+    _ACCUMULATE_OP.append(accumulate)
 
 
-@accumulate.register_fake
-def _accumulate_shape(total: torch.Tensor, term: torch.Tensor) -> torch.Tensor:
-    return torch.add(total, term)
-
-
-# A backward graph differentiated again (compiled autograd, create_graph).
-accumulate.register_autograd(lambda ctx, grad: (grad, grad))
+_ACCUMULATE_OP: list = []
 
 
 def accumulate_gradient_sums(gm: fx.GraphModule) -> fx.GraphModule:
@@ -56,6 +65,7 @@ def accumulate_gradient_sums(gm: fx.GraphModule) -> fx.GraphModule:
     does (it computes half types in float32 and rounds once): the total is
     bitwise the same (``python -m bench.calibrate t5 --budget 0.0``:
     backward peak 27.83 -> 27.12 MiB)."""
+    define_ops()
     backward = compat.backward_nodes(gm.graph)
     changed = False
     for add in gm.graph.nodes:
@@ -191,7 +201,9 @@ def share_matmul_copies(gm: fx.GraphModule, copied: set[fx.Node]) -> fx.GraphMod
     backward, each 8 MiB. The copy carries ``_SHARED_COPY``
     (``unshare_matmul_copies`` undoes it)."""
     changed = False
-    for view in copied:
+    # In graph order, not the set's: node names (and so plans) are the same
+    # in every process and on every rank.
+    for view in [node for node in gm.graph.nodes if node in copied]:
         readers = [user for user in view.users if _is_one_of(user, _MATMULS)]
         value = view.meta.get("val")
         if not readers or not isinstance(value, torch.Tensor):

@@ -372,7 +372,7 @@ def test_memory_is_measured_once_the_step_view_has_settled():
     steps until it has settled, so the measured step runs the plans that run
     on (ConvNeXt at 0.5 measured 19.56 MiB mid-re-plan, 14.65 settled)."""
     from bench.harness import ModeResult, measure_memory, prepare
-    from ckpt import step_view
+    from ckpt.backend import live_step_view
 
     case = cases.builtin_case("mlp", "quick")
     torch.manual_seed(0)
@@ -380,7 +380,7 @@ def test_memory_is_measured_once_the_step_view_has_settled():
     budget = parse_mode("ckpt+budget=0.0")
     result = ModeResult(str(budget), case.batch)
     measure_memory(prepare(case, base, budget, case.batch, "cpu"), result, "cpu")
-    assert result.settle_steps >= 1 and step_view.current().settled
+    assert result.settle_steps >= 1 and live_step_view().settled
     default = ModeResult("ckpt", case.batch)
     measure_memory(prepare(case, base, parse_mode("ckpt"), case.batch, "cpu"), default, "cpu")
     assert default.settle_steps == 0  # no budget: no step view, nothing to wait for

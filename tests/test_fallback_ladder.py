@@ -13,6 +13,8 @@ import torch._dynamo
 from bench.models import GPT, GPTConfig, gpt_batch
 
 from ckpt import make_backend, step_view
+from ckpt.backend import fresh_step_view, live_step_view
+from ckpt.step_meter import StepMeter
 from ckpt.step_view import OWN, MAX_FALLBACKS
 from partitioners.budget import RUNTIME_OPTIMAL, Rung, ladder
 from partitioners.config import MemoryBudget
@@ -65,9 +67,9 @@ class _Step:
 
 @pytest.fixture(autouse=True)
 def _fresh_view():
-    step_view.reset()
+    fresh_step_view()
     yield
-    step_view.reset()
+    fresh_step_view()
 
 
 def test_ladders_of_each_budget_form():
@@ -185,7 +187,7 @@ def test_a_step_falls_back_through_inductor_and_trains_alike(monkeypatch):
     tokens, targets = gpt_batch(cfg, 2)
 
     def train():
-        step_view.reset()
+        fresh_step_view()
         torch._dynamo.reset()
         torch.manual_seed(0)
         model = GPT(cfg)
@@ -196,19 +198,19 @@ def test_a_step_falls_back_through_inductor_and_trains_alike(monkeypatch):
             loss = compiled(tokens, targets)
             loss.backward()
             losses.append(loss.item())
-        view = step_view.current()
+        view = live_step_view()
         view.finish_step()
         return losses, view
 
     plain_losses, plain = train()
-    real_stop = step_view._stop_meter
+    real_peak = StepMeter.peak
 
-    def inflated(meter, end_ns):
-        measured = real_stop(meter, end_ns)
-        rungs = {state.rung for state in step_view.current().sequences.values()}
+    def inflated(meter, until_ns=None):
+        measured = real_peak(meter, until_ns)
+        rungs = {state.rung for state in live_step_view().sequences.values()}
         return None if measured is None else measured * (8 if rungs <= {OWN} else 1)
 
-    monkeypatch.setattr(step_view, "_stop_meter", inflated)
+    monkeypatch.setattr(StepMeter, "peak", inflated)
     losses, view = train()
     (state,) = view.sequences.values()
     assert state.settled and state.rung != OWN and len(state.tried) >= 2, state
@@ -228,25 +230,26 @@ def test_the_runtime_optimal_rung_compiles_as_the_default_plan(monkeypatch):
     tokens, targets = gpt_batch(cfg, 2)
 
     def train(**budget):
-        step_view.reset()
+        fresh_step_view()
         torch._dynamo.reset()
         torch.manual_seed(0)
         backend = make_backend(strict=True, **budget)
         compiled = torch.compile(GPT(cfg), backend=backend)
         for _ in range(8):
             compiled(tokens, targets).backward()
-        step_view.current().finish_step()
+        if backend._step_view is not None:
+            backend.step_view.finish_step()
         return backend.plans[-1]
 
     default = train()
-    real_stop = step_view._stop_meter
+    real_peak = StepMeter.peak
 
-    def inflated(meter, end_ns):
-        measured = real_stop(meter, end_ns)
-        rungs = {state.rung for state in step_view.current().sequences.values()}
+    def inflated(meter, until_ns=None):
+        measured = real_peak(meter, until_ns)
+        rungs = {state.rung for state in live_step_view().sequences.values()}
         return None if measured is None else measured * (1 if rungs == {RUNTIME_OPTIMAL} else 8)
 
-    monkeypatch.setattr(step_view, "_stop_meter", inflated)
+    monkeypatch.setattr(StepMeter, "peak", inflated)
     recorded = []
     real_record = step_view.StepView.record_plan
 
@@ -257,7 +260,7 @@ def test_the_runtime_optimal_rung_compiles_as_the_default_plan(monkeypatch):
     monkeypatch.setattr(step_view.StepView, "record_plan", recording)
     fallen_back = train(memory_budget=0.5)
     own = next(plan for rung, plan in recorded if rung == OWN)
-    (state,) = step_view.current().sequences.values()
+    (state,) = live_step_view().sequences.values()
     assert state.settled and state.rung == RUNTIME_OPTIMAL, state
     assert fallen_back.peak_estimate == default.peak_estimate
     (rung,) = [r for r in own.rungs if r.label == RUNTIME_OPTIMAL]

@@ -14,6 +14,9 @@ from bench.measure import peak_cpu_bytes
 from conftest import Block, GraphBrokenBlocks
 from bench.models import GPT, GPTConfig, gpt_batch
 from ckpt import make_backend, step_view
+from ckpt.backend import fresh_step_view, live_step_view
+from ckpt.step_calls import Calls, InputIdentities
+from ckpt.step_meter import StepMeter
 
 transformers = pytest.importorskip("transformers")
 
@@ -24,9 +27,9 @@ SEQ, BATCH = 256, 2
 
 @pytest.fixture(autouse=True)
 def _fresh_view():
-    step_view.reset()
+    fresh_step_view()
     yield
-    step_view.reset()
+    fresh_step_view()
 
 
 def _qwen():
@@ -93,7 +96,7 @@ def test_per_block_budget_is_judged_on_the_step():
     torch._dynamo.reset()
     model, backends = _per_block(0.0)
     losses, peak = _train(model, model, batches)
-    view = step_view.current()
+    view = live_step_view()
     torch._dynamo.reset()
     checkpointed = _checkpointed_peak(batches)
 
@@ -126,7 +129,7 @@ def test_peak_cap_holds_for_the_step_and_is_measured():
     cap = int(checkpointed * 1.15)
     model, backends = _per_block(f"peak:{cap}")
     _, peak = _train(model, model, batches)
-    view = step_view.current()
+    view = live_step_view()
     assert peak <= 1.03 * cap, (peak, cap)
     assert view.measurements, "the view measured no step"
     measurement = view.measurements[-1]
@@ -140,7 +143,7 @@ def _train_broken(steps: int) -> step_view.StepView:
     x = torch.randn(32, 64)
     for _ in range(steps):
         model(x).backward()
-    view = step_view.current()
+    view = live_step_view()
     view.finish_step()
     return view
 
@@ -160,8 +163,10 @@ def test_metering_every_step_measures_each_and_plans_the_same():
     the graphs are planned as without it (3 re-plans, as in the test above).
     Steps 1 and 2 compile (the graphs, then their step plans): a compile
     stops the step's measurement."""
-    step_view.current().meter_every_step = True
+    shared = fresh_step_view()  # held: the backend made next shares it
+    shared.meter_every_step = True
     view = _train_broken(5)
+    assert view is shared
     assert view.recompiles == 3
     assert [m.step for m in view.measurements] == [3, 4, 5]
     assert all(m.measured_bytes > 0 for m in view.measurements)
@@ -182,7 +187,7 @@ def test_a_backend_per_block_plans_every_entry_for_the_step():
         for block in blocks:
             y = block(y)
         y.square().mean().backward()
-    view = step_view.current()
+    view = live_step_view()
     assert len(view.plans) == 1 and view.recompiles == 3
     assert all(backend.plans[-1].step == "3 call(s) in a step of 3 graph call(s)" for backend in backends)
 
@@ -192,7 +197,8 @@ def test_step_planning_off_plans_each_graph_alone():
     x = torch.randn(32, 64)
     for _ in range(3):
         model(x).backward()
-    assert step_view.current().steps == 0
+    view = live_step_view()
+    assert view is None or view.steps == 0  # no budgeted view learnt a step
 
 
 def test_a_longer_batch_gets_its_own_plan_before_it_runs():
@@ -214,10 +220,10 @@ def test_a_longer_batch_gets_its_own_plan_before_it_runs():
         reference(tokens, targets).backward()
         for got, want in zip(model.parameters(), reference.parameters()):
             torch.testing.assert_close(got.grad, want.grad, rtol=1e-4, atol=1e-5)
-    keys = sorted(step_view.current().plans)
+    keys = sorted(live_step_view().plans)
     sizes = sorted(int(key.rpartition("=")[2]) for key in keys)
     assert sizes == [64, 128, 256], keys  # 48 -> 64, 100 -> 128, 256 -> 256, 60 reuses 64
-    assert step_view.current().recompiles == 2
+    assert live_step_view().recompiles == 2
 
 
 def test_a_declared_bound_is_planned_for_once():
@@ -231,9 +237,9 @@ def test_a_declared_bound_is_planned_for_once():
         for tensor in (tokens, targets):
             torch._dynamo.mark_dynamic(tensor, 1, min=2, max=128)
         compiled(tokens, targets).backward()
-    (key,) = step_view.current().plans
+    (key,) = live_step_view().plans
     assert key.endswith("=128"), key
-    assert step_view.current().recompiles == 0
+    assert live_step_view().recompiles == 0
 
 
 def test_a_peak_cap_over_per_module_budgets_holds_for_the_step():
@@ -264,9 +270,9 @@ def test_a_tensor_freed_and_its_memory_reused_is_a_new_input():
     """The view names a step's inputs by their live storage: a tensor handed
     twice has one name; memory freed and allocated again (a block's input
     it did not save) gets a new one, so it is not taken for a repeat."""
-    from torch.multiprocessing.reductions import StorageWeakRef
+    import weakref
 
-    names = step_view._InputIdentities()
+    names = InputIdentities()
     kept = torch.randn(4096)
     assert names.of(kept) == names.of(kept[:]) and names.of(kept[1:]) != names.of(kept)
     assert names.of(torch.nn.Parameter(torch.randn(2))) is None and names.of(3) is None
@@ -274,11 +280,11 @@ def test_a_tensor_freed_and_its_memory_reused_is_a_new_input():
     # address to a new tensor (played here: the record of the freed one is
     # put at the new tensor's address, which the allocator may or may not reuse).
     freed = torch.randn(4096)
-    record = (StorageWeakRef(freed.untyped_storage()), 0)
+    record = (weakref.ref(freed), 0)
     del freed
     again = torch.randn(4096)
     names._storages[again.untyped_storage().data_ptr()] = record
-    assert record[0].expired()
+    assert record[0]() is None
     assert names.of(again)[1] == 1  # a new generation: not the freed tensor's name
     assert names.of(again) == names.of(again)
 
@@ -288,7 +294,7 @@ def test_parameters_freed_by_the_steps_end_were_gathered_for_it():
     storage resized to nothing): the view counts, per call, the bytes of
     the parameters it was handed whose memory is gone when the step ends;
     parameters that stay, and other inputs, count nothing."""
-    calls = step_view._Calls()
+    calls = Calls()
     gathered, resident = torch.nn.Parameter(torch.randn(256)), torch.nn.Parameter(torch.randn(64))
     calls.record("block", (torch.randn(8), gathered, resident), None, True)
     calls.record("head", (torch.randn(8), resident), None, True)
@@ -321,9 +327,9 @@ def test_the_cpu_meter_records_allocations_and_gives_record_functions_no_callbac
     assert [n for _, _, n in compat.memory_events(recorded) if abs(n) >= 1000] == [4000, 4000, -4000]
     del y
 
-    meter = step_view._start_meter()
+    meter = StepMeter.start(torch.device("cpu"), lambda finished: None)
     z = torch.ones(250)  # 1000 bytes
-    assert step_view._stop_meter(meter, time.time_ns()) == 1000
+    assert meter.peak(time.time_ns()) == 1000
     assert not compat.profiler_active()
     del z
 
@@ -333,13 +339,16 @@ def test_a_profiler_the_user_starts_while_the_meter_runs_is_left_running():
     measured, and stopping the meter does not stop the user's profiler."""
     from torch.profiler import ProfilerActivity, profile
 
-    meter = step_view._start_meter()
+    meter = StepMeter.start(torch.device("cpu"), lambda finished: None)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        assert step_view._stop_meter(meter, time.time_ns()) is None
+        assert meter.peak(time.time_ns()) is None
         torch.ones(8).mul(2)
     assert any(event.name == "aten::mul" for event in prof.events())
 
-    meter = step_view._start_meter()
+    meter = StepMeter.start(torch.device("cpu"), lambda finished: None)
     with profile(activities=[ProfilerActivity.CPU]):
         pass
-    assert step_view._stop_meter(meter, time.time_ns()) is None
+    assert meter.peak(time.time_ns()) is None
+    # A profiler of the user's already on: no meter starts under it.
+    with profile(activities=[ProfilerActivity.CPU]):
+        assert StepMeter.start(torch.device("cpu"), lambda finished: None) is None
