@@ -25,7 +25,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from bench.harness import fresh_inductor_cache, prepare, predicted_step_peak
-from bench.measure import memory_events, peak_of, quiet_native_stderr
+from ckpt.step_meter import quiet_native_stderr
+from bench.measure import memory_events, peak_of
 from bench.modes import parse_mode
 from bench.peak_model import cases
 from bench.report import MiB

@@ -31,11 +31,11 @@ from bench.measure import (
     max_abs_diff,
     peak_cpu_bytes,
     peak_cuda_bytes,
-    quiet_native_stderr,
     time_once_s,
 )
 from bench.modes import Mode, Runner, build_runner, parse_mode
 from ckpt.backend import fresh_step_view, live_step_view
+from ckpt.step_meter import quiet_native_stderr
 
 # compilation_time_metrics keys of dynamo_timed around the partitioner call:
 # PyTorch's own, and a custom partitioner's class name (ckpt's).

@@ -16,7 +16,8 @@ from collections.abc import Callable, Iterable
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from bench.measure import MemoryEvent, count_saved_bytes, memory_events, peak_of, quiet_native_stderr
+from ckpt.step_meter import quiet_native_stderr
+from bench.measure import MemoryEvent, count_saved_bytes, memory_events, peak_of
 
 PHASES = ("forward", "backward", "optimizer")
 """The step's phases, in order; each runs inside a profiler range named

@@ -3,9 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 import statistics
-import sys
 import time
 from collections.abc import Callable, Iterable
 
@@ -129,18 +127,3 @@ def max_abs_diff(grads: list[torch.Tensor | None], reference: list[torch.Tensor 
     return max(diffs, default=0.0)
 
 
-@contextlib.contextmanager
-def quiet_native_stderr():
-    """Send the process's stderr (file descriptor 2) to /dev/null inside the
-    block: the profiler's native code prints a line at every start and stop,
-    which would break a progress bar."""
-    sys.stderr.flush()  # what was written before goes out before the switch
-    saved = os.dup(2)
-    try:
-        with open(os.devnull, "w") as devnull:
-            os.dup2(devnull.fileno(), 2)
-            yield
-    finally:
-        sys.stderr.flush()
-        os.dup2(saved, 2)
-        os.close(saved)

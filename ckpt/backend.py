@@ -76,12 +76,8 @@ class CkptBackend:
         share one view, as their graphs share one step (blocks compiled
         each with a backend of its own); a closed view is not shared."""
         if self._step_view is None:
-            global _shared_view
-            view = _shared_view() if _shared_view is not None else None
-            if view is None or view.closed:
-                view = StepView()
-                _shared_view = weakref.ref(view)
-            self._step_view = view
+            view = live_step_view()
+            self._step_view = view if view is not None and not view.closed else _new_shared_view()
         return self._step_view
 
     def close(self) -> None:
@@ -223,10 +219,14 @@ def fresh_step_view() -> StepView:
     """Close the view the live backends share and start another, which
     backends compiling from now on share: their step is learnt from
     nothing (a benchmark's or a test's fresh start). The caller holds it."""
-    global _shared_view
     view = live_step_view()
     if view is not None:
         view.close()
+    return _new_shared_view()
+
+
+def _new_shared_view() -> StepView:
+    global _shared_view
     view = StepView()
     _shared_view = weakref.ref(view)
     return view

@@ -8,6 +8,8 @@ import weakref
 
 import torch
 
+from partitioners.rank_sync import world_size
+
 
 class InputIdentities:
     """Names the tensors handed to a step's calls, to tell one handed to
@@ -101,6 +103,4 @@ def first_requiring_grad(outputs):
 def shard_group_size() -> int:
     """The ranks a gathered parameter is sharded over: the world (FSDP2 over
     one mesh dimension; a hybrid sharding's smaller group keeps more)."""
-    import torch.distributed as dist
-
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    return world_size()

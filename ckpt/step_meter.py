@@ -23,6 +23,7 @@ goes unmeasured.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import sys
 import threading
@@ -149,15 +150,23 @@ def _stop_at_exit() -> None:
         atexit.register(stop_running_meter)
 
 
-def _quietly(action):
-    """Run ``action`` with the process's stderr closed: the profiler's native
-    code prints a line at each start and stop."""
-    sys.stderr.flush()
+@contextlib.contextmanager
+def quiet_native_stderr():
+    """Send the process's stderr (file descriptor 2) to /dev/null inside the
+    block: the profiler's native code prints a line at every start and stop
+    (which would also break a progress bar)."""
+    sys.stderr.flush()  # what was written before goes out before the switch
     saved = os.dup(2)
     try:
         with open(os.devnull, "w") as devnull:
             os.dup2(devnull.fileno(), 2)
-            return action()
+            yield
     finally:
+        sys.stderr.flush()
         os.dup2(saved, 2)
         os.close(saved)
+
+
+def _quietly(action):
+    with quiet_native_stderr():
+        return action()

@@ -147,15 +147,15 @@ class MeasurementAgreement:
     @property
     def active(self) -> bool:
         """Ranks still agree at each step (never without a process group)."""
-        return self._open and _world_size() > 1
+        return self._open and world_size() > 1
 
     @property
     def closed(self) -> bool:
         """Ranks agree no more: a step learnt now is not measured."""
-        return not self._open and _world_size() > 1
+        return not self._open and world_size() > 1
 
     def agree(self, name: str, value: int | None, more: bool) -> int | None:
-        if _world_size() <= 1:
+        if world_size() <= 1:
             return value
         if not self._open:
             return None
@@ -181,7 +181,8 @@ class MeasurementAgreement:
         return self._group
 
 
-def _world_size() -> int:
+def world_size() -> int:
+    """Ranks in the default process group (1 without one)."""
     import torch.distributed as dist
 
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
