@@ -145,7 +145,7 @@ class StepView:
         ones planning needs; the extra measurements only inform."""
         self.closed = False
         self.settled_keys: frozenset[str] = frozenset()
-        """Graphs whose calls need no recording: every step seen has settled."""
+        """Graphs whose calls need no recording (``_settled_graphs``)."""
         self._agreement = MeasurementAgreement()
         self._meter: StepMeter | None = None
         self._wanted = False
@@ -298,9 +298,18 @@ class StepView:
             )
         if self._agreement.closed:
             state.settled = True  # ranks measure no more: plans stay the model's, alike on every rank
-        if self.settled and not self._agreement.active and not self.meter_every_step:
-            self.settled_keys = frozenset(key for sequence in self.sequences for key in sequence)
+        if not self._agreement.active and not self.meter_every_step:
+            self.settled_keys = self._settled_graphs()
         self._write_report()
+
+    def _settled_graphs(self) -> frozenset[str]:
+        """Graphs every step they run in has settled: their calls need no
+        recording (a step of other graphs still learning does not hold
+        them back, nor do they hide a graph first seen later)."""
+        learning = {key for sequence, state in self.sequences.items() if not state.settled for key in sequence}
+        return frozenset(
+            key for sequence, state in self.sequences.items() if state.settled for key in sequence
+        ) - learning
 
     def _repeated_inputs(self, sequence: tuple[str, ...], inputs: list[tuple]) -> tuple[frozenset[int], ...]:
         """``repeated_inputs`` of the step, none for a call whose inputs do
