@@ -55,15 +55,20 @@ class PlannedGraph:
 
     def __call__(self, *args):
         # Dynamo calls a compiled graph with the arguments unpacked.
+        if self._view.settled_keys:
+            # Settled: a call of a settled bucket records and measures
+            # nothing. (Any compile empties settled_keys, so a compile-time
+            # call on fake tensors never comes this way.)
+            bucket = self._bucket_of(args) if self._symbols else ()
+            if self._keys.get(bucket) in self._view.settled_keys:
+                return self._compiled[bucket](*args)
         if compat.has_fake_tensors(args):
             # A compile-time call on fake tensors (DDP's graph optimizer runs
             # each compiled bucket to get the next one's inputs): not a step.
             return self._compiled[self._first_bucket](*args)
         bucket = self._bucket_of(args) if self._symbols else ()
-        compiled = self._compiled.get(bucket)
-        if compiled is not None and (self._keys[bucket] in self._view.settled_keys or not torch.is_grad_enabled()):
-            # Settled (or not training): nothing to record or measure.
-            return compiled(*args)
+        if not torch.is_grad_enabled() and bucket in self._compiled:
+            return self._compiled[bucket](*args)  # not training: nothing to record
         return self._recorded_call(bucket, args)
 
     def _recorded_call(self, bucket: tuple, args):
