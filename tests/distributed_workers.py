@@ -211,3 +211,38 @@ def lone_fallback(rank, world, port, out):
     _tp_mlp_step_error(rank, world, port, out, "lone_fallback", strict=False,
                        break_rank_1=_make_partitioning_fail)
 
+
+
+def profiled_rank(rank, world, port, out):
+    """A model compiled at budget 0.0 on each rank (under a process group, so
+    measurements are agreed); rank 0 runs its first steps under a profiler
+    of its own (so it measures nothing then): neither rank waits for the
+    other's measurement, and both plan from the same agreed numbers."""
+    import time
+
+    import contextlib
+
+    from ckpt import make_backend
+
+    _init(rank, world, port)
+    torch.manual_seed(0)
+    net = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.GELU()) for _ in range(4)])
+    backend = make_backend(strict=True, memory_budget=0.0)
+    model = torch.compile(net, backend=backend)
+    x = torch.randn(16, 64, generator=torch.Generator().manual_seed(rank))
+    start = time.perf_counter()
+    for step in range(10):
+        profiling = rank == 0 and step < 4
+        with torch.profiler.profile(profile_memory=True) if profiling else contextlib.nullcontext():
+            model(x).square().mean().backward()
+    view = backend.step_view
+    view.finish_step()
+    _write(out, "profiled_rank", rank, {
+        "seconds": time.perf_counter() - start,
+        "settled": view.settled,
+        "judged": [(m.step, m.measured_bytes) for m in view.measurements if m.judged],
+        "saved": [sorted(plan.saved) for plan in backend.plans],
+        "profiler_on": torch._C._autograd._profiler_enabled(),
+    })
+    backend.close()
+    dist.destroy_process_group()

@@ -107,3 +107,18 @@ def test_a_budget_holds_per_rank_under_ddp_and_fsdp2_per_block(tmp_path):
             # FSDP2's gathered parameters are in the step's predictions; DDP has none.
             gathered = "parameters a sharding gathers in the step" in ckpt["step_view"]
             assert gathered == (layout == "fsdp2-per-block"), ckpt["step_view"]
+
+
+def test_a_rank_under_its_own_profiler_holds_no_rank_back(tmp_path):
+    """Rank 0 profiles its first four steps (and so measures none of them);
+    rank 1 measures. Every rank takes part in each step's agreement, so
+    neither waits (the store-based agreement waited up to 10 minutes for the
+    missing measurement); the steps measured on both ranks plan both, alike."""
+    ranks = _run(workers.profiled_rank, tmp_path, "profiled_rank")
+    for result in ranks:
+        assert result["settled"] and not result["profiler_on"], ranks
+        assert result["seconds"] < 120, result["seconds"]
+    assert ranks[0]["judged"] == ranks[1]["judged"] and ranks[0]["judged"], ranks
+    # Only steps after the profiler ended were used to plan.
+    assert all(step > 4 for step, _ in ranks[0]["judged"]), ranks[0]["judged"]
+    assert ranks[0]["saved"] == ranks[1]["saved"]
