@@ -40,7 +40,8 @@ from partitioners.config import MemoryBudget, warn_once
 from partitioners.plan import Plan
 from partitioners.rank_sync import MeasurementAgreement
 from partitioners.step import (
-    Gathered, GraphCost, StepContext, gathered_per_call, predicted_step_peak, repeated_inputs, step_context,
+    UNKNOWN_STEP, Gathered, GraphCost, StepContext, gathered_per_call, predicted_step_peak, repeated_inputs,
+    step_context,
 )
 
 import ckpt_compat as compat
@@ -58,6 +59,9 @@ CAP_TOLERANCE = 0.03
 # costs a recompile of the step's graphs and two steps, one to compile, one
 # to measure); then the step runs the plans that measured lowest.
 MAX_FALLBACKS = 3
+# The rung of a peak: cap's plan before the step is known (partitioners/
+# step.py UNKNOWN_STEP); planned again for the step after it.
+PROVISIONAL = "provisional"
 # A step of a dynamic graph below the size its plan was made for is measured
 # but cannot correct the model; after this many such steps measuring stops.
 MAX_STEPS_BELOW_PLAN = 8
@@ -165,6 +169,8 @@ class StepView:
         that context depends on (``planning_for``)."""
         self.budgets[key] = budget
         planned_for = self.planning_for(key)
+        if planned_for[2] == PROVISIONAL:
+            return UNKNOWN_STEP, planned_for
         if planned_for == (None, None, OWN):
             return None, planned_for
         sequence = self.last_sequence[key]
@@ -190,12 +196,13 @@ class StepView:
     def planning_for(self, key: str) -> tuple:
         """What a plan of ``key`` depends on beyond its graph: the step's
         sequence when other calls share it, the measured correction when a
-        peak cap is judged by it, and the rung of the budget's ladder."""
+        peak cap is judged by it, and the rung of the budget's ladder
+        (PROVISIONAL: a peak cap's plan before the step is known)."""
         sequence = self.last_sequence.get(key)
-        if sequence is None:
-            return (None, None, OWN)
-        state = self.sequences[sequence]
         budget = self.budgets.get(key)
+        if sequence is None:
+            return (None, None, PROVISIONAL if budget is not None and budget.is_peak else OWN)
+        state = self.sequences[sequence]
         correction = state.correction if budget is not None and budget.is_peak and state.measured else None
         return (sequence if len(sequence) > 1 else None, correction, state.rung)
 
@@ -203,6 +210,7 @@ class StepView:
         if plan is not None:
             self.plans[key] = plan
             self.costs[key] = GraphCost.of(plan.peak_estimate, plan.optimal_bytes)
+        if plan is not None and rung != PROVISIONAL:  # the ladder is of plans made for the step
             known = self.rungs.setdefault(key, {})
             for looser in plan.rungs:
                 known[looser.label] = (GraphCost.of(looser.peak, plan.optimal_bytes), looser.saved)

@@ -43,7 +43,7 @@ from .classify import GraphFacts, activation_bytes, read_by_backward, recomputed
 from .config import ConfigError, MemoryBudget
 from .cost import DeviceProfile, estimate_runtime_s
 from .peak import PeakEstimate, estimate_step_peak
-from .step import GraphCost, StepContext
+from .step import MAX_UNKNOWN_STEP_CALLS, GraphCost, StepContext, repeated_step
 from .mincut import FlowGraph, build_flow_graph, byte_scale, solve
 from .ops import OpCategory
 
@@ -194,6 +194,47 @@ def solve_with_budget(
     return BudgetSolution.of(
         cut, target_bytes=target, optimal_bytes=optimal.saved_bytes, fits=fits, note=note,
         cuts=search.cuts + 1, solve_time_s=time.perf_counter() - start, rungs=rungs,
+    )
+
+
+def solve_before_the_step(
+    facts: GraphFacts, budget: MemoryBudget, profile: DeviceProfile, optimal_settings: Mapping | None = None,
+) -> BudgetSolution:
+    """A peak cap's plan before the step is known: the fastest plan that fits
+    the cap in a step of the most calls of this graph that one fits, up to
+    MAX_UNKNOWN_STEP_CALLS (the graph alone, at least). A plan that fits n
+    calls fits fewer, so the calls are doubled from 2 while a plan fits,
+    then bisected: two searches where two calls do not fit (a whole model
+    under a tight cap). The step view plans again once the step is known."""
+
+    def solve(repeats: int) -> BudgetSolution:
+        with warnings.catch_warnings():
+            if repeats > 1:  # a trial: only the graph alone may warn that nothing fits
+                warnings.simplefilter("ignore")
+            return solve_with_budget(facts, budget, profile, repeated_step(repeats), optimal_settings)
+
+    fitting, failing = (1, None), None
+    repeats = 2
+    while repeats <= MAX_UNKNOWN_STEP_CALLS:
+        solution = solve(repeats)
+        if not solution.fits:
+            failing = repeats
+            break
+        fitting, repeats = (repeats, solution), repeats * 2
+    if failing is not None:
+        low, high = fitting[0], failing
+        while high - low > 1:
+            middle = (low + high) // 2
+            solution = solve(middle)
+            if solution.fits:
+                fitting, low = (middle, solution), middle
+            else:
+                high = middle
+    repeats, solution = fitting
+    if solution is None:
+        solution = solve(1)
+    return dataclasses.replace(
+        solution, note=f"planned before the step was known, to fit the cap in a step of {repeats} call(s) of this graph",
     )
 
 

@@ -21,13 +21,13 @@ from passes import run_passes
 import ckpt_compat as compat
 from .classify import GraphFacts, classify, graph_device
 from .config import Config, ConfigError, warn_once
-from .budget import resolved_budget, solve_with_budget
+from .budget import resolved_budget, solve_before_the_step, solve_with_budget
 from . import peak
 from .cost import profile_for
 from .plan import Plan, build_plan
 from .regions import label_regions, solve_regions
 from .rank_sync import check_same_plan_on_all_ranks
-from .step import StepContext
+from .step import UNKNOWN_STEP, StepContext
 
 _PROJECT_ROOT = pathlib.Path(__file__).resolve().parent.parent
 # Source that decides what a compile produces; part of the cache key.
@@ -126,6 +126,10 @@ def _solve(joint_gm, num_fwd_outputs, static_lifetime_input_indices, config: Con
     # The backend resolved peak:auto from the example inputs already; a
     # partitioner used on its own resolves it here, from the graph.
     budget = resolved_budget(config.memory_budget, graph_device(joint_gm.graph.nodes))
+    if step is UNKNOWN_STEP:
+        if budget is not None and budget.is_peak and not budget.regional:
+            return facts, solve_before_the_step(facts, budget, profile, optimal_settings)
+        step = None
     if budget is not None and budget.regional:
         regions = label_regions(facts, budget, config.module_prefix)
         return facts, solve_regions(facts, budget, regions, profile, step, optimal_settings)
@@ -181,7 +185,8 @@ def _plan(facts, saved, solution, config: Config, step: StepContext | None) -> P
     if config.memory_budget is None:
         return build_plan(facts, saved, solution)
     return build_plan(
-        facts, saved, solution, budget=str(config.memory_budget), step=None if step is None else step.describe()
+        facts, saved, solution, budget=str(config.memory_budget),
+        step=None if step is None or step is UNKNOWN_STEP else step.describe(),
     )
 
 

@@ -142,6 +142,24 @@ class StepContext:
         return text
 
 
+UNKNOWN_STEP = StepContext(moments=(), calls=0)
+"""What the step view hands a graph under a peak: cap before its step is
+known (``budget.solve_before_the_step``)."""
+
+MAX_UNKNOWN_STEP_CALLS = 64
+"""Before its step is known, a graph under a peak: cap plans for the most
+calls of itself per step, up to this many, at which a plan fits the cap: a
+plan alone may fit the cap and not fit beside the step's other calls
+(per-block compile: one graph called once per layer), and the first step
+must hold it as the later ones do. 64: more layers than the models tried."""
+
+
+def repeated_step(repeats: int) -> StepContext:
+    """A step of ``repeats`` calls of one graph and nothing else. A plan that
+    fits it fits a step of fewer calls: the step's peak grows with them."""
+    return step_context("", ("",) * repeats, {})
+
+
 def step_context(
     key: str,
     sequence: Sequence[str],

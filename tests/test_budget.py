@@ -398,6 +398,32 @@ def test_peak_budget_takes_the_fastest_plan_whose_predicted_peak_fits():
         previous_time = plan.recompute_time_s
 
 
+def test_a_peak_cap_before_the_step_is_known_fits_the_most_calls_it_can():
+    """Before its step is known a graph under a peak: cap plans to fit the cap
+    in a step of as many calls of itself as UNKNOWN_STEP_REPEATS allows:
+    with the cap at four calls of the lowest-peak plan, the plan fits four
+    calls or more, and saves less than the plan for the graph alone, which
+    does not fit four calls."""
+    from partitioners.step import UNKNOWN_STEP, GraphCost, repeated_step
+
+    joint_gm, kwargs = _gpt_joint_graph(4)
+
+    def calls_peak(plan, calls):
+        return repeated_step(calls).step_peak(GraphCost.of(plan.peak_estimate, plan.optimal_bytes))
+
+    lowest = _gpt_partition(budget=0.0).plan
+    cap = int(calls_peak(lowest, 4) / (1 - PEAK_MODEL_MARGIN)) + 2
+    alone = _gpt_partition(budget=f"peak:{cap}B").plan
+    before = partition(copy.deepcopy(joint_gm), num_fwd_outputs=kwargs["num_fwd_outputs"],
+                       config=Config(memory_budget=f"peak:{cap}B"), step=UNKNOWN_STEP).plan
+    repeats = int(re.fullmatch(
+        r"planned before the step was known, to fit the cap in a step of (\d+) call\(s\) of this graph",
+        before.budget_note).group(1))
+    assert repeats >= 4 and before.fits_budget and before.step is None
+    assert calls_peak(before, repeats) <= cap * (1 - PEAK_MODEL_MARGIN) < calls_peak(alone, 4)
+    assert before.saved_activation_bytes < alone.saved_activation_bytes
+
+
 def test_peak_budget_below_every_plan_warns_with_the_lowest_peak_and_uses_that_plan():
     lowest = _gpt_partition(budget=0.0).plan
     with pytest.warns(UserWarning, match=r"no plan of this graph fits the peak budget peak 1024 bytes \(1024 bytes, "

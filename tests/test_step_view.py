@@ -37,10 +37,13 @@ def _qwen():
     return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**QWEN))
 
 
-def _train(model, fn, batches):
-    """AdamW steps over ``batches``; the losses, and the last step's peak."""
+def _train(model, fn, batches, first_step=False):
+    """AdamW steps over ``batches``; the losses, the last step's peak, and
+    the peaks measured (with ``first_step``, the first step's too). A step
+    measured here is not ckpt's to measure: its meter yields to a profiler
+    that is on."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    losses, peak = [], None
+    losses, peak, peaks = [], None, []
     for index, tokens in enumerate(batches):
         optimizer.zero_grad(set_to_none=True)
         box = {}
@@ -49,13 +52,14 @@ def _train(model, fn, batches):
             box["loss"] = fn(input_ids=tokens, labels=tokens).loss
             box["loss"].backward()
 
-        if index == len(batches) - 1:
+        if (first_step and index == 0) or index == len(batches) - 1:
             peak = peak_cpu_bytes(step)
+            peaks.append(peak)
         else:
             step()
         optimizer.step()
         losses.append(box["loss"].item())
-    return losses, peak
+    return losses, peak, peaks
 
 
 def _checkpointed_peak(batches) -> int:
@@ -92,10 +96,10 @@ def test_per_block_budget_is_judged_on_the_step():
     (Inductor's forward kernels do not depend on what is saved)."""
     batches = _tokens(4)
     alone_model, alone = _per_block(0.0, step_planning=False)
-    alone_losses, alone_peak = _train(alone_model, alone_model, batches)
+    alone_losses, alone_peak, _ = _train(alone_model, alone_model, batches)
     torch._dynamo.reset()
     model, backends = _per_block(0.0)
-    losses, peak = _train(model, model, batches)
+    losses, peak, _ = _train(model, model, batches)
     view = live_step_view()
     torch._dynamo.reset()
     checkpointed = _checkpointed_peak(batches)
@@ -128,9 +132,14 @@ def test_peak_cap_holds_for_the_step_and_is_measured():
     torch._dynamo.reset()
     cap = int(checkpointed * 1.15)
     model, backends = _per_block(f"peak:{cap}")
-    _, peak = _train(model, model, batches)
+    peaks = _train(model, model, batches, first_step=True)[2]
     view = live_step_view()
-    assert peak <= 1.03 * cap, (peak, cap)
+    # The first step too: before the step is known each layer
+    # plans to fit the cap in a step of many calls of itself, not alone
+    # (alone, step 1 peaked at 1.4-2.1x the cap).
+    assert max(peaks) <= 1.03 * cap, ([p / cap for p in peaks], cap)
+    (plan,) = backends[0].plans  # the plan in force: made for the step
+    assert plan.step.startswith("3 call(s) in a step of 3"), plan.step
     assert view.measurements, "the view measured no step"
     measurement = view.measurements[-1]
     assert measurement.measured_bytes > 0 and measurement.predicted_bytes > 0
@@ -259,7 +268,7 @@ def test_a_peak_cap_over_per_module_budgets_holds_for_the_step():
     budget = {"model.layers.0": 0.0, "model.layers.1": 0.5, "model.layers.7": 0.0, "": f"peak:{cap}"}
     backend = make_backend(strict=True, memory_budget=budget)
     with pytest.warns(UserWarning, match=r"budget for 'model\.layers\.7' matched no module"):
-        _, peak = _train(model, torch.compile(model, backend=backend), batches)
+        _, peak, _ = _train(model, torch.compile(model, backend=backend), batches)
     (plan,) = backend.plans
     assert {row.key for row in plan.regions} == {"model.layers.0", "model.layers.1", "(rest)"}
     assert plan.budget_note is not None and "cap" in plan.budget_note, plan.budget_note
